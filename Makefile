@@ -1,0 +1,30 @@
+# Two entry points, both installing everything they need into .venv first:
+#   make test     - the test suite (what CI runs)
+#   make cifar10  - the CIFAR-10 pipeline example on CPU, 8 ranks (pp=2 x mp=2 x dp=2)
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export DS_ACCELERATOR ?= cpu
+
+.PHONY: install test cifar10 benchmark
+
+$(STAMP): setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	# Exactly these: they come from the machine's disk; other versions download GBs.
+	$(PY) -m pip install torch==2.14.1 torchvision==0.29.1
+	$(PY) -m pip install -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+cifar10: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash examples/cifar10/run_cpu.sh
+
+benchmark: $(STAMP)
+	$(PY) -m benchmarks.checkpointing

@@ -1,0 +1,95 @@
+"""``checkpoint()``: DeepSpeed's activation-checkpoint call, built on torch's
+non-reentrant checkpoint."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
+
+from .errors import ConfigError, ReentrantFallbackWarning
+from .rng import ReplayTrackerStates
+from .settings import current_settings
+
+__all__ = ["checkpoint", "checkpoint_non_reentrant"]
+
+_FALLBACK_WARNING = (
+    "ds_pipe_ckpt.checkpoint: reentrant checkpointing of {name} was called with no tensor "
+    "input that requires grad; the reentrant path would return an output without grad_fn and "
+    "silently drop the gradients of the parameters inside it. Using torch's non-reentrant "
+    "checkpoint for such calls instead (same math). Set pipeline.use_reentrant=false to "
+    "use it everywhere and silence this warning.")
+
+
+def _name_of(function: Callable[..., Any]) -> str:
+    name = getattr(function, "__qualname__", None) or getattr(function, "__name__", None)
+    return name or type(function).__name__
+
+
+def _any_tensor_requires_grad(args: tuple, kwargs: dict) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.requires_grad
+               for a in (*args, *kwargs.values()))
+
+
+def checkpoint_non_reentrant(function: Callable[..., Any], *args: Any,
+                             debug: bool = False, **kwargs: Any) -> Any:
+    """torch's non-reentrant checkpoint of ``function(*args, **kwargs)``, with
+    DeepSpeed's model-parallel RNG tracker replayed for the recomputation."""
+    replay = ReplayTrackerStates(function, ds_checkpointing.get_cuda_rng_tracker())
+    return torch_checkpoint.checkpoint(replay, *args, use_reentrant=False,
+                                       preserve_rng_state=True, debug=debug, **kwargs)
+
+
+def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool | None = None,
+               debug: bool | None = None, **kwargs: Any) -> Any:
+    """Checkpoint ``function(*args, **kwargs)``: drop-in for ``deepspeed.checkpointing.checkpoint``.
+
+    The region's activations are not kept; they are recomputed in backward.
+
+    Args:
+        function: the region to run. It may return a tensor, a tuple (nested
+            structures and non-tensors included) or anything torch's checkpoint accepts.
+        *args, **kwargs: its arguments. Non-tensors, ``None`` and tensors that do
+            not require grad are fine; parameters used inside ``function`` get
+            their gradients either way.
+        use_reentrant: ``None`` (default) follows :func:`configure` /
+            ``pipeline.use_reentrant``; ``False`` uses
+            ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` (supports
+            ``torch.autograd.grad``, keyword arguments and inputs without grad);
+            ``True`` uses DeepSpeed's reentrant checkpoint, except for calls with
+            no tensor input requiring grad, which would lose parameter gradients
+            there: those use the non-reentrant path, with a one-time
+            :class:`ReentrantFallbackWarning`.
+        debug: non-reentrant only; ``None`` follows ``activation_checkpointing.debug``.
+            ``True`` makes recomputation errors carry torch's op traces.
+
+    RNG: the CPU and accelerator generators and DeepSpeed's model-parallel RNG
+    tracker (``deepspeed.checkpointing.get_cuda_rng_tracker()``) are replayed for
+    the recomputation, so dropout masks match the forward's exactly.
+
+    Returns:
+        what ``function`` returns.
+    """
+    if not callable(function):
+        raise TypeError(f"checkpoint() expects a callable as its first argument, got {type(function).__name__}")
+    config = current_settings().config
+    if use_reentrant is None:
+        use_reentrant = config.use_reentrant
+    elif not isinstance(use_reentrant, bool):
+        raise ConfigError("use_reentrant", use_reentrant, "True, False or None (None follows configure())")
+    if debug is None:
+        debug = config.debug
+    elif not isinstance(debug, bool):
+        raise ConfigError("debug", debug, "True, False or None (None follows configure())")
+
+    if use_reentrant:
+        if debug:
+            raise ConfigError("debug", debug, "False with use_reentrant=True",
+                              "The op-trace debug mode belongs to the non-reentrant checkpoint.")
+        if not torch.is_grad_enabled() or _any_tensor_requires_grad(args, kwargs):
+            return ds_checkpointing.checkpoint(function, *args, **kwargs)
+        current_settings().warn_once("reentrant-fallback", _FALLBACK_WARNING.format(name=_name_of(function)),
+                                     ReentrantFallbackWarning)
+    return checkpoint_non_reentrant(function, *args, debug=debug, **kwargs)

@@ -1,0 +1,192 @@
+"""Activation-checkpointing configuration: one immutable object, parsed and
+validated from a DeepSpeed JSON config or from keyword overrides.
+
+Keys read (all optional):
+
+``pipeline``
+    ``use_reentrant`` (JSON boolean, default ``true``) and
+    ``activation_checkpoint_interval`` (integer >= 0).
+``activation_checkpointing``
+    DeepSpeed's keys ``partition_activations``, ``contiguous_memory_optimization``,
+    ``number_checkpoints``, ``cpu_checkpointing``, ``synchronize_checkpoint_boundary``,
+    ``profile``, plus ours: ``debug`` (torch's op-trace debug mode for
+    recomputation errors).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .errors import ConfigError
+
+__all__ = [
+    "CheckpointingConfig",
+    "load_ds_config",
+    "pipeline_interval",
+    "validate_interval",
+    "OVERRIDE_KEYS",
+]
+
+PIPELINE = "pipeline"
+SECTION = "activation_checkpointing"
+
+# DeepSpeed's keyword overrides of ``deepspeed.checkpointing.configure`` and
+# ours, mapped to the field they set.
+OVERRIDE_KEYS = {
+    "partition_activations": "partition_activations",
+    "contiguous_checkpointing": "contiguous_memory_optimization",
+    "num_checkpoints": "number_checkpoints",
+    "checkpoint_in_cpu": "cpu_checkpointing",
+    "synchronize": "synchronize_checkpoint_boundary",
+    "profile": "profile",
+    "use_reentrant": "use_reentrant",
+    "debug": "debug",
+}
+
+
+def _require_bool(key: str, value: Any) -> bool:
+    # bool is an int subclass and "false" is truthy: accept real booleans only.
+    if not isinstance(value, bool):
+        raise ConfigError(key, value, "a JSON boolean (true or false)",
+                          "Strings such as \"false\" and numbers are not accepted.")
+    return value
+
+
+def validate_interval(key: str, value: Any) -> int:
+    """Return ``value`` if it is a valid checkpoint interval (an int >= 0)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(key, value, "an integer >= 0 (0 disables activation checkpointing)")
+    return value
+
+
+@dataclass(frozen=True)
+class CheckpointingConfig:
+    """Validated activation-checkpointing settings.
+
+    Field names follow DeepSpeed's ``activation_checkpointing`` JSON keys;
+    ``use_reentrant`` mirrors ``pipeline.use_reentrant``.
+    """
+
+    use_reentrant: bool = True
+    partition_activations: bool = False
+    contiguous_memory_optimization: bool = False
+    number_checkpoints: int | None = None
+    cpu_checkpointing: bool = False
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+    debug: bool = False
+
+    def __post_init__(self):
+        key_of = {f: (f"{PIPELINE}.{f}" if f == "use_reentrant" else f"{SECTION}.{f}")
+                  for f in (x.name for x in dataclasses.fields(self))}
+        for field in dataclasses.fields(self):
+            if field.name != "number_checkpoints":
+                _require_bool(key_of[field.name], getattr(self, field.name))
+        n = self.number_checkpoints
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0):
+            raise ConfigError(key_of["number_checkpoints"], n, "a positive integer or null")
+        if self.contiguous_memory_optimization and not self.partition_activations:
+            raise ConfigError(key_of["contiguous_memory_optimization"], True,
+                              "false unless partition_activations is true",
+                              "Contiguous buffers hold partitioned activations: set "
+                              f"{SECTION}.partition_activations to true.")
+        if self.debug and self.use_reentrant:
+            raise ConfigError(key_of["debug"], True, "false unless pipeline.use_reentrant is false",
+                              "The op-trace debug mode is torch's non-reentrant checkpoint's; "
+                              "set pipeline.use_reentrant to false to use it.")
+        if self.contiguous_memory_optimization and n is None:
+            raise ConfigError(key_of["number_checkpoints"], None,
+                              "a positive integer when contiguous_memory_optimization is true",
+                              "Set it to the number of checkpointed segments per micro-batch "
+                              "(the buffers are sized from it).")
+
+    @property
+    def needs_model_parallel_group(self) -> bool:
+        return self.partition_activations
+
+    @property
+    def offloads_activations(self) -> bool:
+        """True when saved checkpoint inputs leave the compute device or get sharded."""
+        return (self.partition_activations or self.cpu_checkpointing
+                or self.contiguous_memory_optimization)
+
+    @classmethod
+    def from_ds_config(cls, param_dict: Mapping[str, Any] | None) -> "CheckpointingConfig":
+        """Parse the ``pipeline`` and ``activation_checkpointing`` sections."""
+        param_dict = {} if param_dict is None else param_dict
+        if not isinstance(param_dict, Mapping):
+            raise ConfigError("config", param_dict, "a dict parsed from the DeepSpeed JSON config")
+        values: dict[str, Any] = {}
+        pipeline = _section(param_dict, PIPELINE)
+        if pipeline.get("use_reentrant") is not None:
+            values["use_reentrant"] = _require_bool(f"{PIPELINE}.use_reentrant", pipeline["use_reentrant"])
+        pipeline_interval(param_dict)  # validated here so that a bad value fails early
+
+        section = _section(param_dict, SECTION)
+        known = {f.name for f in dataclasses.fields(cls)} - {"use_reentrant"}
+        for key, value in section.items():
+            if key not in known:
+                raise ConfigError(f"{SECTION}.{key}", value, f"one of the keys {sorted(known)}",
+                                  "Unknown keys are rejected rather than silently ignored; check the spelling.")
+            if value is not None or key == "number_checkpoints":
+                values[key] = value
+        return cls(**values)
+
+    def with_overrides(self, **overrides: Any) -> "CheckpointingConfig":
+        """Apply ``deepspeed.checkpointing.configure``-style keyword overrides.
+
+        ``None`` leaves a value as it is, as upstream's ``configure`` does.
+        """
+        changes = {}
+        for key, value in overrides.items():
+            if key not in OVERRIDE_KEYS:
+                raise TypeError(f"configure() got an unexpected keyword argument {key!r}; "
+                                f"allowed: {sorted(OVERRIDE_KEYS)}")
+            if value is not None:
+                changes[OVERRIDE_KEYS[key]] = value
+        return dataclasses.replace(self, **changes)
+
+
+def _section(param_dict: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    section = param_dict.get(name)
+    if section is None:
+        return {}
+    if not isinstance(section, Mapping):
+        raise ConfigError(name, section, "a JSON object")
+    return section
+
+
+def pipeline_interval(param_dict: Mapping[str, Any] | None) -> int | None:
+    """The configured ``pipeline.activation_checkpoint_interval``, validated, or None."""
+    pipeline = _section(param_dict or {}, PIPELINE)
+    if "activation_checkpoint_interval" not in pipeline:
+        return None
+    return validate_interval(f"{PIPELINE}.activation_checkpoint_interval",
+                             pipeline["activation_checkpoint_interval"])
+
+
+def load_ds_config(config: Any) -> dict:
+    """Read a DeepSpeed config the way ``deepspeed.initialize`` accepts it:
+    a dict, a path to a JSON/HJSON file, or a urlsafe-base64-encoded JSON string."""
+    if config is None:
+        return {}
+    if isinstance(config, Mapping):
+        return dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if os.path.exists(path):
+            import hjson  # DeepSpeed's own config reader; a dependency of deepspeed
+            with open(path) as handle:
+                return dict(hjson.load(handle))
+        try:
+            return json.loads(base64.urlsafe_b64decode(path).decode("utf-8"))
+        except (binascii.Error, UnicodeDecodeError, ValueError):
+            pass
+    raise ConfigError("deepspeed_config", config,
+                      "a dict, a path to an existing JSON file, or a base64-encoded JSON string")

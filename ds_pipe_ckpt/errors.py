@@ -1,0 +1,40 @@
+"""Exceptions raised by ds_pipe_ckpt.
+
+Every error names what was wrong (the configuration key, the layer, the value)
+and says how to fix it.
+"""
+
+from torch.utils.checkpoint import CheckpointError
+
+__all__ = ["ConfigError", "RecomputeMismatchError", "ReentrantFallbackWarning"]
+
+
+class ConfigError(ValueError):
+    """A configuration value (JSON key or keyword argument) is invalid.
+
+    The message names the key, the value received and what is allowed.
+    """
+
+    def __init__(self, key: str, value, allowed: str, hint: str = ""):
+        self.key = key
+        self.value = value
+        self.allowed = allowed
+        message = f"{key} = {value!r} is invalid: expected {allowed}."
+        if hint:
+            message += f" {hint}"
+        super().__init__(message)
+
+
+class RecomputeMismatchError(CheckpointError):
+    """A checkpointed region saved different tensors when it was recomputed.
+
+    Subclass of :class:`torch.utils.checkpoint.CheckpointError`, so code that
+    already catches torch's error keeps working. The message names the region
+    (pipeline layers or the checkpointed function) and the micro-batch.
+    """
+
+
+class ReentrantFallbackWarning(UserWarning):
+    """Reentrant checkpointing was asked for a call whose tensor inputs do not
+    require grad; the call used the non-reentrant checkpoint so that the
+    parameters inside it still get their gradients."""

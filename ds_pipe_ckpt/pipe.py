@@ -1,0 +1,209 @@
+"""``PipelineModule``: DeepSpeed's pipeline module with per-segment activation
+checkpointing on torch's non-reentrant checkpoint."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from deepspeed.pipe import LayerSpec as _DSLayerSpec
+from deepspeed.pipe import PipelineModule as _DSPipelineModule
+from deepspeed.pipe import TiedLayerSpec as _DSTiedLayerSpec
+from deepspeed.runtime import utils as ds_utils
+from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
+
+from .checkpoint import checkpoint, checkpoint_non_reentrant
+from .config import validate_interval
+from .errors import ConfigError
+from .settings import current_settings
+
+__all__ = ["PipelineModule", "LayerSpec", "TiedLayerSpec", "REENTRANT", "NON_REENTRANT", "CUSTOM"]
+
+REENTRANT = "reentrant"
+NON_REENTRANT = "non_reentrant"
+CUSTOM = "custom"
+
+
+class LayerSpec(_DSLayerSpec):
+    """Deferred construction of one pipeline layer: ``LayerSpec(typename, *args, **kwargs)``
+    builds ``typename(*args, **kwargs)`` only on the stage that owns the layer.
+
+    Same class contract as ``deepspeed.pipe.LayerSpec`` (it is a subclass).
+    """
+
+
+class TiedLayerSpec(_DSTiedLayerSpec, LayerSpec):
+    """A layer whose module (and weights named by ``tied_weight_attr``) is shared
+    by every position that uses the same ``key``, e.g. tied input/output
+    embeddings; gradients of the tied weights are all-reduced across the
+    stages that hold a copy. ``forward_fn(module, x)``, when given, replaces
+    ``module(x)`` at that position.
+
+    Same class contract as ``deepspeed.pipe.TiedLayerSpec`` (it is a subclass).
+    """
+
+
+def _layer_name(layer: Any) -> str:
+    if isinstance(layer, _DSLayerSpec):
+        return layer.typename.__name__
+    return getattr(layer, "__name__", None) or type(layer).__name__
+
+
+class PipelineModule(_DSPipelineModule):
+    """Drop-in for ``deepspeed.pipe.PipelineModule`` (a subclass: ``deepspeed.initialize``
+    builds DeepSpeed's ``PipelineEngine`` around it).
+
+    Constructor arguments and their meaning are upstream's. What differs:
+
+    * Mode: ``pipeline.use_reentrant`` in the DeepSpeed JSON config (``true`` when
+      absent). With ``false``, DeepSpeed's engine hands the module
+      ``deepspeed.checkpointing.non_reentrant_checkpoint``; this module recognises it
+      and runs every checkpointed segment through
+      ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` instead, with
+      DeepSpeed's model-parallel RNG tracker replayed on recomputation. This holds
+      whatever the interval is when the engine is built, including 0 with
+      :meth:`set_checkpoint_interval` called later.
+    * Segments: ``activation_checkpoint_interval`` layers each. In non-reentrant mode
+      every segment is checkpointed, parameter-free ones included, unless
+      ``checkpointable_layers`` (class names) restricts it. Reentrant mode keeps
+      upstream's choice (segments that own parameters).
+    * Reentrant mode never loses parameter gradients: a segment whose tensor inputs
+      do not require grad runs through the non-reentrant checkpoint, with a one-time
+      :class:`~ds_pipe_ckpt.ReentrantFallbackWarning`.
+    * Any other callable passed as ``activation_checkpoint_func`` is called as
+      ``func(run_segment, *inputs)``, as upstream does.
+    * Invalid arguments raise :class:`~ds_pipe_ckpt.ConfigError` instead of asserting.
+    """
+
+    def __init__(self,
+                 layers: Sequence[Any],
+                 num_stages: int | None = None,
+                 topology: Any = None,
+                 loss_fn: Callable[..., Any] | None = None,
+                 seed_layers: bool = False,
+                 seed_fn: Callable[[int], None] | None = None,
+                 base_seed: int = 1234,
+                 partition_method: str = "parameters",
+                 activation_checkpoint_interval: int = 0,
+                 activation_checkpoint_func: Callable[..., Any] = ds_checkpointing.checkpoint,
+                 checkpointable_layers: Sequence[str] | None = None,
+                 dynamic_shape: bool = False):
+        validate_interval("activation_checkpoint_interval", activation_checkpoint_interval)
+        if checkpointable_layers is not None:
+            if isinstance(checkpointable_layers, str) or not all(
+                    isinstance(name, str) for name in checkpointable_layers):
+                raise ConfigError("checkpointable_layers", checkpointable_layers,
+                                  "a list of layer class names (strings) or None")
+            checkpointable_layers = list(checkpointable_layers)
+        super().__init__(layers,
+                         num_stages=num_stages,
+                         topology=topology,
+                         loss_fn=loss_fn,
+                         seed_layers=seed_layers,
+                         seed_fn=seed_fn,
+                         base_seed=base_seed,
+                         partition_method=partition_method,
+                         activation_checkpoint_interval=activation_checkpoint_interval,
+                         activation_checkpoint_func=activation_checkpoint_func,
+                         checkpointable_layers=checkpointable_layers,
+                         dynamic_shape=dynamic_shape)
+
+    # -- checkpoint function and mode -------------------------------------------------
+    # DeepSpeed's engine assigns ``activation_checkpoint_func`` and compares it by
+    # identity with its own functions (to decide whether to force input
+    # requires_grad), so the attribute keeps whatever was assigned; the mode is
+    # derived from it.
+
+    @property
+    def activation_checkpoint_func(self) -> Callable[..., Any]:
+        return self.__dict__["_activation_checkpoint_func"]
+
+    @activation_checkpoint_func.setter
+    def activation_checkpoint_func(self, func: Callable[..., Any]) -> None:
+        if not callable(func):
+            raise ConfigError("activation_checkpoint_func", func, "a callable func(function, *args)")
+        self.__dict__["_activation_checkpoint_func"] = func
+        # Which segments are checkpointed depends on the mode: recompute the cache.
+        self.__dict__["is_checkpointable_results_interval"] = None
+
+    @property
+    def checkpoint_mode(self) -> str:
+        """``"reentrant"``, ``"non_reentrant"`` or ``"custom"`` (a user function)."""
+        func = self.activation_checkpoint_func
+        if func is ds_checkpointing.non_reentrant_checkpoint:
+            return NON_REENTRANT
+        if func is ds_checkpointing.checkpoint:
+            return REENTRANT
+        return CUSTOM
+
+    def set_checkpoint_interval(self, interval: int) -> None:
+        """Checkpoint every ``interval`` layers from the next forward on (0 disables)."""
+        validate_interval("activation_checkpoint_interval", interval)
+        super().set_checkpoint_interval(interval)
+
+    def _is_checkpointable(self, funcs: Sequence[Any]) -> bool:
+        if self.checkpoint_mode == NON_REENTRANT:
+            if self.checkpointable_layers is not None:
+                return all(type(f).__name__ in self.checkpointable_layers for f in funcs)
+            return True
+        return super()._is_checkpointable(funcs)
+
+    # -- forward ----------------------------------------------------------------------
+
+    def segment_label(self, start: int, end: int) -> str:
+        """Human-readable name of local layers ``[start, end)``, with global indices."""
+        labels = self.__dict__.setdefault("_segment_labels", {})
+        if (start, end) not in labels:
+            labels[(start, end)] = self._make_segment_label(start, end)
+        return labels[(start, end)]
+
+    def _make_segment_label(self, start: int, end: int) -> str:
+        first = start + self._local_start
+        names = ", ".join(_layer_name(f) for f in self.forward_funcs[start:end])
+        span = f"layer {first}" if end - start == 1 else f"layers {first}-{first + end - start - 1}"
+        return f"{span} ({names})"
+
+    def _layer_range(self, start: int, end: int, seed_offset: int) -> Callable[..., Any]:
+        def run_layers(*inputs: Any) -> Any:
+            x = inputs[0] if len(inputs) == 1 else inputs
+            for local_idx in range(start, end):
+                layer_idx = local_idx + self._local_start
+                self.curr_layer = layer_idx
+                if self.seed_layers:
+                    # Upstream's per-layer, per-micro-batch seed.
+                    seed = self.base_seed * seed_offset + layer_idx
+                    (self.seed_fn or ds_utils.set_random_seed)(seed)
+                x = self.forward_funcs[local_idx](x)
+            return x
+
+        run_layers.__qualname__ = f"{type(self).__name__}[{self.segment_label(start, end)}]"
+        return run_layers
+
+    def _checkpoint_segment(self, run: Callable[..., Any], inputs: tuple) -> Any:
+        mode = self.checkpoint_mode
+        if mode == NON_REENTRANT:
+            return checkpoint_non_reentrant(run, *inputs, debug=current_settings().config.debug)
+        if mode == REENTRANT:
+            return checkpoint(run, *inputs, use_reentrant=True, debug=False)
+        return self.activation_checkpoint_func(run, *inputs)
+
+    def forward(self, forward_input: Any) -> Any:
+        self.micro_offset += 1
+        # Upstream seeds layers with micro_offset + 1; keep it for identical streams.
+        seed_offset = self.micro_offset + 1
+        num_layers = len(self.forward_funcs)
+        interval = self.activation_checkpoint_interval
+        if interval == 0:
+            return self._layer_range(0, num_layers, seed_offset)(forward_input)
+
+        self._precompute_checkpointable_values()
+        x = forward_input
+        for segment, start in enumerate(range(0, num_layers, interval)):
+            end = min(start + interval, num_layers)
+            run = self._layer_range(start, end, seed_offset)
+            if not isinstance(x, tuple):
+                x = (x, )
+            if self.is_checkpointable_results[segment]:
+                x = self._checkpoint_segment(run, x)
+            else:
+                x = run(*x)
+        return x

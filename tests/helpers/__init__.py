@@ -1,0 +1,1 @@
+"""Shared test helpers (importable because pytest.ini puts tests/ on sys.path)."""

@@ -1,0 +1,97 @@
+"""Rank functions for the multi-process pipeline tests (module level, so that
+``spawn`` can import them)."""
+
+from __future__ import annotations
+
+import deepspeed
+import torch
+import torch.nn as nn
+
+import ds_pipe_ckpt
+from ds_pipe_ckpt import LayerSpec, PipelineModule
+
+
+class CountingReLU(nn.Module):
+    """Parameter-free layer that counts its forward calls (recomputations included)."""
+
+    calls = 0
+
+    def forward(self, x):
+        CountingReLU.calls += 1
+        return torch.relu(x)
+
+
+HIDDEN = 16
+
+
+def layer_specs():
+    return [
+        LayerSpec(nn.Linear, 8, HIDDEN),
+        LayerSpec(CountingReLU),
+        LayerSpec(nn.Dropout, 0.2),
+        LayerSpec(nn.Linear, HIDDEN, HIDDEN),
+        LayerSpec(CountingReLU),
+        LayerSpec(nn.Linear, HIDDEN, 4),
+    ]
+
+
+def ds_config(micro_batch, grad_accum, dp, use_reentrant=None, interval=None):
+    config = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": grad_accum,
+        "train_batch_size": micro_batch * grad_accum * dp,
+        "steps_per_print": 10**9,
+        "pipeline": {},
+    }
+    if use_reentrant is not None:
+        config["pipeline"]["use_reentrant"] = use_reentrant
+    if interval is not None:
+        config["pipeline"]["activation_checkpoint_interval"] = interval
+    return config
+
+
+def batches(dp_rank, micro_batch, steps, grad_accum):
+    g = torch.Generator().manual_seed(100 + dp_rank)
+    n = steps * grad_accum
+    xs = torch.randn(n, micro_batch, 8, generator=g)
+    ys = torch.randint(0, 4, (n, micro_batch), generator=g)
+    return iter(list(zip(xs, ys)))
+
+
+def train(case, pp, steps=10, micro_batch=4, grad_accum=2):
+    """Train one case; return its loss sequence, the recomputation count and the
+    mode the module ended up in.
+
+    ``case`` keys: ``init`` ("deepspeed" or "ours"), ``use_reentrant`` (None = absent
+    from the JSON), ``interval`` (module argument), ``config_interval`` (JSON), and
+    ``set_interval_later`` (call set_checkpoint_interval after initialize).
+    """
+    ds_pipe_ckpt.configure()  # defaults; ours re-configures from the JSON
+    world = torch.distributed.get_world_size()
+    dp = world // pp
+    torch.manual_seed(0)
+    module = PipelineModule(layers=layer_specs(), num_stages=pp, loss_fn=nn.CrossEntropyLoss(),
+                            partition_method="uniform", seed_layers=True,
+                            activation_checkpoint_interval=case.get("interval", 0))
+    config = ds_config(micro_batch, grad_accum, dp, case.get("use_reentrant"), case.get("config_interval"))
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.05)
+    init = deepspeed.initialize if case["init"] == "deepspeed" else ds_pipe_ckpt.initialize
+    engine, _, _, _ = init(model=module, optimizer=optimizer, config=config)
+    if case.get("set_interval_later"):
+        module.set_checkpoint_interval(case["set_interval_later"])
+    data = batches(engine.grid.get_data_parallel_rank(), micro_batch, steps, grad_accum)
+    CountingReLU.calls = 0
+    losses = [float(engine.train_batch(data_iter=data)) for _ in range(steps)]
+    return {
+        "losses": losses,
+        "relu_calls": CountingReLU.calls,
+        "mode": module.checkpoint_mode,
+        "checkpointed_segments": list(module.is_checkpointable_results)
+        if module.activation_checkpoint_interval else [],
+        "local_layers": [type(f).__name__ for f in module.forward_funcs],
+        "micro_batches": steps * grad_accum,
+    }
+
+
+def train_cases(cases, pp, steps=10):
+    return {name: train(case, pp, steps) for name, case in cases.items()}
