@@ -10,6 +10,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
 from .errors import ConfigError, ReentrantFallbackWarning
+from .partition import saved_input_hooks
 from .rng import ReplayTrackerStates
 from .settings import current_settings
 
@@ -36,10 +37,13 @@ def _any_tensor_requires_grad(args: tuple, kwargs: dict) -> bool:
 def checkpoint_non_reentrant(function: Callable[..., Any], *args: Any,
                              debug: bool = False, **kwargs: Any) -> Any:
     """torch's non-reentrant checkpoint of ``function(*args, **kwargs)``, with
-    DeepSpeed's model-parallel RNG tracker replayed for the recomputation."""
+    DeepSpeed's model-parallel RNG tracker replayed for the recomputation and
+    the saved inputs placed as ``activation_checkpointing`` configures."""
+    settings = current_settings()
     replay = ReplayTrackerStates(function, ds_checkpointing.get_cuda_rng_tracker())
-    return torch_checkpoint.checkpoint(replay, *args, use_reentrant=False,
-                                       preserve_rng_state=True, debug=debug, **kwargs)
+    with saved_input_hooks(settings.config, settings.model_parallel):
+        return torch_checkpoint.checkpoint(replay, *args, use_reentrant=False,
+                                           preserve_rng_state=True, debug=debug, **kwargs)
 
 
 def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool | None = None,
