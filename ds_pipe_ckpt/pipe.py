@@ -42,6 +42,12 @@ class TiedLayerSpec(_DSTiedLayerSpec, LayerSpec):
     """
 
 
+def _require_checkpoint_func(func: Any) -> Callable[..., Any]:
+    if not callable(func):
+        raise ConfigError("activation_checkpoint_func", func, "a callable func(function, *args)")
+    return func
+
+
 def _layer_name(layer: Any) -> str:
     if isinstance(layer, _DSLayerSpec):
         return layer.typename.__name__
@@ -88,6 +94,7 @@ class PipelineModule(_DSPipelineModule):
                  checkpointable_layers: Sequence[str] | None = None,
                  dynamic_shape: bool = False):
         validate_interval("activation_checkpoint_interval", activation_checkpoint_interval)
+        _require_checkpoint_func(activation_checkpoint_func)
         if checkpointable_layers is not None:
             if isinstance(checkpointable_layers, str) or not all(
                     isinstance(name, str) for name in checkpointable_layers):
@@ -119,9 +126,7 @@ class PipelineModule(_DSPipelineModule):
 
     @activation_checkpoint_func.setter
     def activation_checkpoint_func(self, func: Callable[..., Any]) -> None:
-        if not callable(func):
-            raise ConfigError("activation_checkpoint_func", func, "a callable func(function, *args)")
-        self.__dict__["_activation_checkpoint_func"] = func
+        self.__dict__["_activation_checkpoint_func"] = _require_checkpoint_func(func)
         # Which segments are checkpointed depends on the mode: recompute the cache.
         self.__dict__["is_checkpointable_results_interval"] = None
 

@@ -8,6 +8,7 @@ the call with :class:`RankFailure`, which names the rank and carries its traceba
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import queue as queue_module
@@ -46,7 +47,11 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any], ar
         import deepspeed
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
         value = fn(*args)
-        results.put((rank, "ok", value))
+        # Serialise with torch.save: tensors put on a multiprocessing queue directly
+        # travel as shared-memory handles that die with this process.
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        results.put((rank, "ok", buffer.getvalue()))
     except BaseException:  # report everything, including KeyboardInterrupt/SystemExit
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -102,4 +107,5 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 proc.join()
     if failure is not None:
         raise RankFailure(f"{getattr(fn, '__name__', fn)}: {failure}")
-    return [outcome[r][1] for r in range(world_size)]
+    import torch
+    return [torch.load(io.BytesIO(outcome[r][1]), weights_only=False) for r in range(world_size)]

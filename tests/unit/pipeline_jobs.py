@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import ds_pipe_ckpt
-from ds_pipe_ckpt import LayerSpec, PipelineModule
+from ds_pipe_ckpt import LayerSpec, PipelineModule, TiedLayerSpec
 
 
 class CountingReLU(nn.Module):
@@ -35,6 +35,37 @@ def layer_specs():
     ]
 
 
+class Square(nn.Module):
+    """Tied layer: ``forward`` maps HIDDEN -> HIDDEN with the shared weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(HIDDEN, HIDDEN) / HIDDEN**0.5)
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+def tied_forward(module, x):
+    """Second use of the tied weight, transposed (as an output embedding would be)."""
+    return torch.tanh(x @ module.weight.t())
+
+
+def tied_layer_specs():
+    """Layers 1 and 4 share one weight across the two pipeline stages."""
+    return [
+        LayerSpec(nn.Linear, 8, HIDDEN),
+        TiedLayerSpec("shared", Square),
+        LayerSpec(CountingReLU),
+        LayerSpec(nn.Dropout, 0.1),
+        TiedLayerSpec("shared", Square, forward_fn=tied_forward),
+        LayerSpec(nn.Linear, HIDDEN, 4),
+    ]
+
+
+MODELS = {"plain": layer_specs, "tied": tied_layer_specs}
+
+
 def ds_config(micro_batch, grad_accum, dp, use_reentrant=None, interval=None):
     config = {
         "train_micro_batch_size_per_gpu": micro_batch,
@@ -54,27 +85,30 @@ def batches(dp_rank, micro_batch, steps, grad_accum):
     g = torch.Generator().manual_seed(100 + dp_rank)
     n = steps * grad_accum
     xs = torch.randn(n, micro_batch, 8, generator=g)
-    ys = torch.randint(0, 4, (n, micro_batch), generator=g)
+    ys = xs[..., :4].argmax(dim=-1)  # learnable labels
     return iter(list(zip(xs, ys)))
 
 
-def train(case, pp, steps=10, micro_batch=4, grad_accum=2):
+def train(case, pp, steps=10, micro_batch=16, grad_accum=2):
     """Train one case; return its loss sequence, the recomputation count and the
     mode the module ended up in.
 
     ``case`` keys: ``init`` ("deepspeed" or "ours"), ``use_reentrant`` (None = absent
     from the JSON), ``interval`` (module argument), ``config_interval`` (JSON), and
-    ``set_interval_later`` (call set_checkpoint_interval after initialize).
+    ``set_interval_later`` (call set_checkpoint_interval after initialize), ``model``
+    (a key of MODELS) and ``checkpointable_layers``.
     """
     ds_pipe_ckpt.configure()  # defaults; ours re-configures from the JSON
     world = torch.distributed.get_world_size()
     dp = world // pp
     torch.manual_seed(0)
-    module = PipelineModule(layers=layer_specs(), num_stages=pp, loss_fn=nn.CrossEntropyLoss(),
+    module = PipelineModule(layers=MODELS[case.get("model", "plain")](), num_stages=pp, loss_fn=nn.CrossEntropyLoss(),
                             partition_method="uniform", seed_layers=True,
-                            activation_checkpoint_interval=case.get("interval", 0))
+                            activation_checkpoint_interval=case.get("interval", 0),
+                            checkpointable_layers=case.get("checkpointable_layers"))
+    first_weight = next(module.parameters()).detach().clone()
     config = ds_config(micro_batch, grad_accum, dp, case.get("use_reentrant"), case.get("config_interval"))
-    optimizer = torch.optim.SGD(module.parameters(), lr=0.05)
+    optimizer = torch.optim.Adam(module.parameters(), lr=0.02)
     init = deepspeed.initialize if case["init"] == "deepspeed" else ds_pipe_ckpt.initialize
     engine, _, _, _ = init(model=module, optimizer=optimizer, config=config)
     if case.get("set_interval_later"):
@@ -90,6 +124,9 @@ def train(case, pp, steps=10, micro_batch=4, grad_accum=2):
         if module.activation_checkpoint_interval else [],
         "local_layers": [type(f).__name__ for f in module.forward_funcs],
         "micro_batches": steps * grad_accum,
+        "initial_first_weight": first_weight,
+        "input_requires_grad": engine._reentrant_activation_checkpointing(),
+        "params": {name: p.detach().clone() for name, p in module.named_parameters()},
     }
 
 
