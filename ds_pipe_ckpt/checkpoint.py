@@ -7,14 +7,16 @@ from typing import Any, Callable
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+from torch.utils._pytree import tree_leaves
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
 from .errors import ConfigError, ReentrantFallbackWarning
 from .partition import saved_input_hooks
+from .recompute import RecomputeGuard, Region
 from .rng import ReplayTrackerStates
 from .settings import current_settings
 
-__all__ = ["checkpoint", "checkpoint_non_reentrant"]
+__all__ = ["checkpoint", "checkpoint_region", "checkpoint_non_reentrant"]
 
 _FALLBACK_WARNING = (
     "ds_pipe_ckpt.checkpoint: reentrant checkpointing of {name} was called with no tensor "
@@ -34,20 +36,31 @@ def _any_tensor_requires_grad(args: tuple, kwargs: dict) -> bool:
                for a in (*args, *kwargs.values()))
 
 
-def checkpoint_non_reentrant(function: Callable[..., Any], *args: Any,
-                             debug: bool = False, **kwargs: Any) -> Any:
+def checkpoint_non_reentrant(function: Callable[..., Any], args: tuple, kwargs: dict, *,
+                             region: Region, debug: bool, verify: bool) -> Any:
     """torch's non-reentrant checkpoint of ``function(*args, **kwargs)``, with
-    DeepSpeed's model-parallel RNG tracker replayed for the recomputation and
-    the saved inputs placed as ``activation_checkpointing`` configures."""
+    DeepSpeed's model-parallel RNG tracker replayed for the recomputation, the
+    recomputation checked against the forward (see :mod:`ds_pipe_ckpt.recompute`)
+    and the saved inputs placed as ``activation_checkpointing`` configures."""
     settings = current_settings()
-    replay = ReplayTrackerStates(function, ds_checkpointing.get_cuda_rng_tracker())
+    guarded = RecomputeGuard(ReplayTrackerStates(function, ds_checkpointing.get_cuda_rng_tracker()),
+                             region, verify=verify)
+    # No early stop: the guard compares the whole recomputation with the forward.
     with saved_input_hooks(settings.config, settings.model_parallel):
-        return torch_checkpoint.checkpoint(replay, *args, use_reentrant=False,
-                                           preserve_rng_state=True, debug=debug, **kwargs)
+        return torch_checkpoint.checkpoint(guarded, *args, use_reentrant=False, preserve_rng_state=True,
+                                           debug=debug, early_stop=False, **kwargs)
+
+
+def _require_tensor_output(out: Any, region: Region) -> Any:
+    if not any(isinstance(t, torch.Tensor) for t in tree_leaves(out)):
+        raise TypeError(f"checkpoint() of {region} returned no tensor ({type(out).__name__}): there is "
+                        "nothing to recompute and no gradient can flow through it. Call the function "
+                        "without checkpoint(), or return the tensors it computes.")
+    return out
 
 
 def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool | None = None,
-               debug: bool | None = None, **kwargs: Any) -> Any:
+               debug: bool | None = None, verify: bool | None = None, **kwargs: Any) -> Any:
     """Checkpoint ``function(*args, **kwargs)``: drop-in for ``deepspeed.checkpointing.checkpoint``.
 
     The region's activations are not kept; they are recomputed in backward.
@@ -68,6 +81,14 @@ def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool | N
             :class:`ReentrantFallbackWarning`.
         debug: non-reentrant only; ``None`` follows ``activation_checkpointing.debug``.
             ``True`` makes recomputation errors carry torch's op traces.
+        verify: non-reentrant only; ``None`` follows
+            ``activation_checkpointing.verify_recompute``. ``True`` compares the
+            recomputation with the forward op by op and names the first differing
+            op in the :class:`RecomputeMismatchError` (a Python call per op).
+
+    Errors: a recomputation that diverges from the forward raises
+    :class:`RecomputeMismatchError` naming ``function``; a function that modifies
+    its tensor inputs in place, or returns no tensor, is refused at forward time.
 
     RNG: the CPU and accelerator generators and DeepSpeed's model-parallel RNG
     tracker (``deepspeed.checkpointing.get_cuda_rng_tracker()``) are replayed for
@@ -78,22 +99,34 @@ def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool | N
     """
     if not callable(function):
         raise TypeError(f"checkpoint() expects a callable as its first argument, got {type(function).__name__}")
-    config = current_settings().config
-    if use_reentrant is None:
-        use_reentrant = config.use_reentrant
-    elif not isinstance(use_reentrant, bool):
-        raise ConfigError("use_reentrant", use_reentrant, "True, False or None (None follows configure())")
-    if debug is None:
-        debug = config.debug
-    elif not isinstance(debug, bool):
-        raise ConfigError("debug", debug, "True, False or None (None follows configure())")
+    return checkpoint_region(function, args, kwargs, region=Region(f"function {_name_of(function)}"),
+                             use_reentrant=use_reentrant, debug=debug, verify=verify)
 
+
+def _resolve_flag(key: str, value: bool | None, configured: bool) -> bool:
+    if value is None:
+        return configured
+    if not isinstance(value, bool):
+        raise ConfigError(key, value, "True, False or None (None follows configure())")
+    return value
+
+
+def checkpoint_region(function: Callable[..., Any], args: tuple, kwargs: dict, *, region: Region,
+                      use_reentrant: bool | None = None, debug: bool | None = None,
+                      verify: bool | None = None) -> Any:
+    """:func:`checkpoint` with an explicit region name (used by PipelineModule)."""
+    config = current_settings().config
+    use_reentrant = _resolve_flag("use_reentrant", use_reentrant, config.use_reentrant)
+    debug = _resolve_flag("debug", debug, config.debug)
+    verify = _resolve_flag("verify", verify, config.verify_recompute)
     if use_reentrant:
-        if debug:
-            raise ConfigError("debug", debug, "False with use_reentrant=True",
-                              "The op-trace debug mode belongs to the non-reentrant checkpoint.")
+        for key, value in (("debug", debug), ("verify", verify)):
+            if value:
+                raise ConfigError(key, value, "False with use_reentrant=True",
+                                  f"{key} checks torch's non-reentrant recomputation.")
         if not torch.is_grad_enabled() or _any_tensor_requires_grad(args, kwargs):
-            return ds_checkpointing.checkpoint(function, *args, **kwargs)
-        current_settings().warn_once("reentrant-fallback", _FALLBACK_WARNING.format(name=_name_of(function)),
+            return _require_tensor_output(ds_checkpointing.checkpoint(function, *args, **kwargs), region)
+        current_settings().warn_once("reentrant-fallback", _FALLBACK_WARNING.format(name=region.name),
                                      ReentrantFallbackWarning)
-    return checkpoint_non_reentrant(function, *args, debug=debug, **kwargs)
+    out = checkpoint_non_reentrant(function, args, kwargs, region=region, debug=debug, verify=verify)
+    return _require_tensor_output(out, region)

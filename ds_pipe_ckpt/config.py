@@ -9,8 +9,9 @@ Keys read (all optional):
 ``activation_checkpointing``
     DeepSpeed's keys ``partition_activations``, ``contiguous_memory_optimization``,
     ``number_checkpoints``, ``cpu_checkpointing``, ``synchronize_checkpoint_boundary``,
-    ``profile``, plus ours: ``debug`` (torch's op-trace debug mode for
-    recomputation errors).
+    ``profile``, plus ours: ``verify_recompute`` (compare each recomputation
+    with its forward op by op, naming the first differing op) and ``debug``
+    (torch's op-trace debug mode for recomputation errors).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ OVERRIDE_KEYS = {
     "profile": "profile",
     "use_reentrant": "use_reentrant",
     "debug": "debug",
+    "verify_recompute": "verify_recompute",
 }
 
 
@@ -80,6 +82,7 @@ class CheckpointingConfig:
     cpu_checkpointing: bool = False
     synchronize_checkpoint_boundary: bool = False
     profile: bool = False
+    verify_recompute: bool = False
     debug: bool = False
 
     def __post_init__(self):
@@ -96,10 +99,11 @@ class CheckpointingConfig:
                               "false unless partition_activations is true",
                               "Contiguous buffers hold partitioned activations: set "
                               f"{SECTION}.partition_activations to true.")
-        if self.debug and self.use_reentrant:
-            raise ConfigError(key_of["debug"], True, "false unless pipeline.use_reentrant is false",
-                              "The op-trace debug mode is torch's non-reentrant checkpoint's; "
-                              "set pipeline.use_reentrant to false to use it.")
+        for key in ("debug", "verify_recompute"):
+            if getattr(self, key) and self.use_reentrant:
+                raise ConfigError(key_of[key], True, "false unless pipeline.use_reentrant is false",
+                                  f"{key} checks torch's non-reentrant recomputation; "
+                                  "set pipeline.use_reentrant to false to use it.")
         if self.contiguous_memory_optimization and n is None:
             raise ConfigError(key_of["number_checkpoints"], None,
                               "a positive integer when contiguous_memory_optimization is true",

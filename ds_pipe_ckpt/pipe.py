@@ -11,10 +11,10 @@ from deepspeed.pipe import TiedLayerSpec as _DSTiedLayerSpec
 from deepspeed.runtime import utils as ds_utils
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
-from .checkpoint import checkpoint, checkpoint_non_reentrant
+from .checkpoint import checkpoint_region
+from .recompute import Region
 from .config import validate_interval
 from .errors import ConfigError
-from .settings import current_settings
 
 __all__ = ["PipelineModule", "LayerSpec", "TiedLayerSpec", "REENTRANT", "NON_REENTRANT", "CUSTOM"]
 
@@ -165,7 +165,7 @@ class PipelineModule(_DSPipelineModule):
         first = start + self._local_start
         names = ", ".join(_layer_name(f) for f in self.forward_funcs[start:end])
         span = f"layer {first}" if end - start == 1 else f"layers {first}-{first + end - start - 1}"
-        return f"{span} ({names})"
+        return f"pipeline {span} ({names})"
 
     def _layer_range(self, start: int, end: int, seed_offset: int) -> Callable[..., Any]:
         def run_layers(*inputs: Any) -> Any:
@@ -180,16 +180,16 @@ class PipelineModule(_DSPipelineModule):
                 x = self.forward_funcs[local_idx](x)
             return x
 
-        run_layers.__qualname__ = f"{type(self).__name__}[{self.segment_label(start, end)}]"
         return run_layers
 
-    def _checkpoint_segment(self, run: Callable[..., Any], inputs: tuple) -> Any:
+    def _checkpoint_segment(self, run: Callable[..., Any], inputs: tuple, start: int, end: int) -> Any:
         mode = self.checkpoint_mode
+        if mode == CUSTOM:
+            return self.activation_checkpoint_func(run, *inputs)
+        region = Region(self.segment_label(start, end), micro_batch=self.micro_offset)
         if mode == NON_REENTRANT:
-            return checkpoint_non_reentrant(run, *inputs, debug=current_settings().config.debug)
-        if mode == REENTRANT:
-            return checkpoint(run, *inputs, use_reentrant=True, debug=False)
-        return self.activation_checkpoint_func(run, *inputs)
+            return checkpoint_region(run, inputs, {}, region=region, use_reentrant=False)
+        return checkpoint_region(run, inputs, {}, region=region, use_reentrant=True, debug=False, verify=False)
 
     def forward(self, forward_input: Any) -> Any:
         self.micro_offset += 1
@@ -208,7 +208,7 @@ class PipelineModule(_DSPipelineModule):
             if not isinstance(x, tuple):
                 x = (x, )
             if self.is_checkpointable_results[segment]:
-                x = self._checkpoint_segment(run, x)
+                x = self._checkpoint_segment(run, x, start, end)
             else:
                 x = run(*x)
         return x
