@@ -12,7 +12,7 @@ The mode is the DeepSpeed JSON flag ``"pipeline": {"use_reentrant": false}``.
 
 from .checkpoint import checkpoint
 from .config import CheckpointingConfig
-from .errors import ConfigError, RecomputeMismatchError, ReentrantFallbackWarning
+from .errors import ConfigError, InPlaceInputError, RecomputeMismatchError, ReentrantFallbackWarning
 from .initialize import initialize
 from .pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from .settings import CheckpointingSettings, configure, current_settings
@@ -29,6 +29,7 @@ __all__ = [
     "CheckpointingSettings",
     "ConfigError",
     "RecomputeMismatchError",
+    "InPlaceInputError",
     "ReentrantFallbackWarning",
 ]
 

@@ -7,12 +7,11 @@ from typing import Any, Callable
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from torch.utils._pytree import tree_leaves
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
 from .errors import ConfigError, ReentrantFallbackWarning
 from .partition import saved_input_hooks
-from .recompute import RecomputeGuard, Region
+from .recompute import CheckInputsUnmodified, RecomputeGuard, Region
 from .rng import ReplayTrackerStates
 from .settings import current_settings
 
@@ -49,14 +48,6 @@ def checkpoint_non_reentrant(function: Callable[..., Any], args: tuple, kwargs: 
     with saved_input_hooks(settings.config, settings.model_parallel):
         return torch_checkpoint.checkpoint(guarded, *args, use_reentrant=False, preserve_rng_state=True,
                                            debug=debug, early_stop=False, **kwargs)
-
-
-def _require_tensor_output(out: Any, region: Region) -> Any:
-    if not any(isinstance(t, torch.Tensor) for t in tree_leaves(out)):
-        raise TypeError(f"checkpoint() of {region} returned no tensor ({type(out).__name__}): there is "
-                        "nothing to recompute and no gradient can flow through it. Call the function "
-                        "without checkpoint(), or return the tensors it computes.")
-    return out
 
 
 def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool | None = None,
@@ -125,8 +116,7 @@ def checkpoint_region(function: Callable[..., Any], args: tuple, kwargs: dict, *
                 raise ConfigError(key, value, "False with use_reentrant=True",
                                   f"{key} checks torch's non-reentrant recomputation.")
         if not torch.is_grad_enabled() or _any_tensor_requires_grad(args, kwargs):
-            return _require_tensor_output(ds_checkpointing.checkpoint(function, *args, **kwargs), region)
+            return ds_checkpointing.checkpoint(CheckInputsUnmodified(function, region), *args, **kwargs)
         current_settings().warn_once("reentrant-fallback", _FALLBACK_WARNING.format(name=region.name),
                                      ReentrantFallbackWarning)
-    out = checkpoint_non_reentrant(function, args, kwargs, region=region, debug=debug, verify=verify)
-    return _require_tensor_output(out, region)
+    return checkpoint_non_reentrant(function, args, kwargs, region=region, debug=debug, verify=verify)

@@ -6,7 +6,7 @@ and says how to fix it.
 
 from torch.utils.checkpoint import CheckpointError
 
-__all__ = ["ConfigError", "RecomputeMismatchError", "ReentrantFallbackWarning"]
+__all__ = ["ConfigError", "RecomputeMismatchError", "InPlaceInputError", "ReentrantFallbackWarning"]
 
 
 class ConfigError(ValueError):
@@ -32,6 +32,12 @@ class RecomputeMismatchError(CheckpointError):
     already catches torch's error keeps working. The message names the region
     (pipeline layers or the checkpointed function) and the micro-batch.
     """
+
+
+class InPlaceInputError(RuntimeError):
+    """A checkpointed region's saved input was modified in place (by the region
+    itself, or by later code before the region was recomputed), so the
+    recomputation would not start from the values the forward saw."""
 
 
 class ReentrantFallbackWarning(UserWarning):

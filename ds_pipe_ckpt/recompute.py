@@ -26,6 +26,7 @@ cannot be seen without recomputing twice.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -34,9 +35,9 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .errors import RecomputeMismatchError
+from .errors import InPlaceInputError, RecomputeMismatchError
 
-__all__ = ["Region", "RecomputeGuard", "graph_signature"]
+__all__ = ["Region", "RecomputeGuard", "CheckInputsUnmodified", "graph_signature"]
 
 CAUSES = (
     "Usual causes: an op whose saved tensors depend on torch.is_grad_enabled() or on "
@@ -68,21 +69,48 @@ def mismatch(region: Region, problem: str) -> RecomputeMismatchError:
         f"Recomputation of checkpointed {region} diverged from its forward: {problem}\n{CAUSES}\n{FIXES}")
 
 
-def graph_signature(outputs: Any, inputs: list) -> list[str]:
-    """Names of the autograd nodes between ``outputs`` and ``inputs``, depth first
-    in ``next_functions`` order (deterministic for the same computation)."""
+@functools.lru_cache(maxsize=None)
+def _saved_attributes(node_type: type) -> tuple[str, ...]:
+    # Nodes expose what they saved as ``_raw_saved_<name>`` (a SavedTensor, None or a
+    # sequence of them; ``_raw_saved_tensors`` for custom Functions). Reading them
+    # does not unpack: no recomputation, no memory.
+    return tuple(name for name in dir(node_type) if name.startswith("_raw_saved_"))
+
+
+def _saved_count(node: Any) -> int:
+    count = 0
+    for name in _saved_attributes(type(node)):
+        value = getattr(node, name)
+        if isinstance(value, (tuple, list)):
+            count += sum(v is not None for v in value)
+        elif value is not None:
+            count += 1
+    return count
+
+
+def graph_signature(outputs: Any, inputs: list) -> list[tuple[str, int]]:
+    """(name, number of saved tensors) of each autograd node between ``outputs``
+    and ``inputs``, depth first in ``next_functions`` order (deterministic for the
+    same computation)."""
     stop = {t.grad_fn for t in inputs if t.grad_fn is not None}
     stack = [t.grad_fn for t in reversed(tree_leaves(outputs))
              if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    seen, names = set(), []
+    seen, signature = set(), []
     while stack:
         node = stack.pop()
         if node in seen or node in stop:
             continue
         seen.add(node)
-        names.append(node.name())
+        signature.append((node.name(), _saved_count(node)))
         stack.extend(n for n, _ in reversed(node.next_functions) if n is not None)
-    return names
+    return signature
+
+
+def _node(signature: list, i: int, path: str) -> str:
+    if i >= len(signature):
+        return f"nothing (a {path} path)"
+    name, saved = signature[i]
+    return f"{name} saving {saved} tensor{'s' if saved != 1 else ''}"
 
 
 def _first_difference(forward: list, recomputed: list) -> int:
@@ -147,6 +175,43 @@ class OpTrace(TorchDispatchMode):
         return out
 
 
+def check_inputs_unmodified(inputs: list, versions: list, region: Region) -> None:
+    """Refuse a region that bumped the version counter of one of its inputs."""
+    modified = [i for i, (t, v) in enumerate(zip(inputs, versions)) if t._version != v]
+    if modified:
+        raise InPlaceInputError(
+            f"Checkpointed {region} modified its tensor input(s) {modified} in place during its "
+            "forward; the recomputation would start from the modified values and compute different "
+            "gradients. Make the first op of the region out-of-place (e.g. nn.ReLU(inplace=False)), "
+            "or start the checkpointed region after it (exclude the layer with "
+            "checkpointable_layers, or change activation_checkpoint_interval).")
+
+
+def require_tensor_output(out: Any, region: Region) -> None:
+    """Refuse a region that returns no tensor: nothing could flow back through it."""
+    if not any(isinstance(t, torch.Tensor) for t in tree_leaves(out)):
+        raise TypeError(f"Checkpointed {region} returned no tensor ({type(out).__name__}): there is "
+                        "nothing to recompute and no gradient can flow through it. Call it without "
+                        "checkpointing, or return the tensors it computes.")
+
+
+class CheckInputsUnmodified:
+    """Wraps a function for DeepSpeed's reentrant checkpoint: its forward
+    (under no_grad) must not modify the inputs it will be recomputed from."""
+
+    def __init__(self, fn: Callable[..., Any], region: Region):
+        self.fn = fn
+        self.region = region
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        versions = [t._version for t in inputs]
+        out = self.fn(*args, **kwargs)
+        check_inputs_unmodified(inputs, versions, self.region)
+        require_tensor_output(out, self.region)
+        return out
+
+
 class RecomputeGuard:
     """Wraps the function handed to torch's checkpoint (run with early stop off).
     The first call is the forward; every later call is a recomputation."""
@@ -167,15 +232,12 @@ class RecomputeGuard:
         versions = [t._version for t in inputs]
         with self.trace if self.trace is not None else contextlib.nullcontext():
             out = self.fn(*args, **kwargs)
-        self.forward_graph = graph_signature(out, inputs) if torch.is_grad_enabled() else []
-        modified = [i for i, (t, v) in enumerate(zip(inputs, versions)) if t._version != v]
-        if modified and torch.is_grad_enabled():
-            raise RuntimeError(
-                f"Checkpointed {self.region} modified its tensor input(s) {modified} in place during "
-                "its forward; the recomputation would start from the modified values and compute "
-                "different gradients. Make the first op of the region out-of-place (e.g. "
-                "nn.ReLU(inplace=False)), or start the checkpointed region after it (exclude the "
-                "layer with checkpointable_layers / change activation_checkpoint_interval).")
+        require_tensor_output(out, self.region)
+        if not torch.is_grad_enabled():  # torch does not checkpoint then: nothing to recompute
+            self.forward_graph = []
+            return out
+        check_inputs_unmodified(inputs, versions, self.region)
+        self.forward_graph = graph_signature(out, inputs)
         return out
 
     def _recompute(self, args: tuple, kwargs: dict, inputs: list) -> Any:
@@ -191,9 +253,9 @@ class RecomputeGuard:
         graph = graph_signature(out, inputs)
         if graph != self.forward_graph:
             i = _first_difference(self.forward_graph, graph)
-            before = self.forward_graph[i] if i < len(self.forward_graph) else "nothing (a longer path)"
-            after = graph[i] if i < len(graph) else "nothing (a shorter path)"
             raise mismatch(self.region, (
-                f"autograd node #{i} differs: the forward built {before}, the recomputation built "
-                f"{after} ({len(self.forward_graph)} vs {len(graph)} nodes)."))
+                f"autograd node #{i} differs: the forward built {_node(self.forward_graph, i, 'longer')}, "
+                f"the recomputation built {_node(graph, i, 'shorter')} "
+                f"({len(self.forward_graph)} vs {len(graph)} nodes; "
+                f"{sum(n for _, n in self.forward_graph)} vs {sum(n for _, n in graph)} saved tensors)."))
         return out

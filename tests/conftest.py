@@ -12,3 +12,18 @@ def default_checkpointing_settings():
     ds_pipe_ckpt.configure()
     yield
     ds_pipe_ckpt.configure()
+
+
+@pytest.fixture(scope="session")
+def single_rank_process_group():
+    """A one-rank gloo process group in the test process (PipelineModule needs one)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from helpers.distributed import free_port
+
+    if not dist.is_initialized():
+        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
+                           "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    yield

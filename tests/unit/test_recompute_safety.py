@@ -1,0 +1,162 @@
+"""Recompute safety: divergent recomputations, in-place inputs and bad calls
+fail with errors that name the region (pipeline layers or function), the
+micro-batch and, where known, the op."""
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointError
+from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
+
+import ds_pipe_ckpt
+from ds_pipe_ckpt import InPlaceInputError, RecomputeMismatchError
+
+
+class LazyCache(nn.Module):
+    """Builds a cache on its first call and takes a shorter path afterwards."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.cache = None
+
+    def forward(self, x):
+        if self.cache is None:
+            self.cache = True
+            return torch.tanh(torch.sigmoid(self.lin(x)))
+        return torch.tanh(self.lin(x))
+
+
+class LongerOnRecompute(nn.Module):
+    """Takes a longer path from its second call on."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.lin(x)
+        if self.calls > 1:
+            h = torch.sigmoid(h)
+        return torch.tanh(h)
+
+
+class SwapsOp(nn.Module):
+    """Same number and shapes of saved tensors, a different op on recomputation:
+    torch's metadata check cannot see it; gradients would silently be wrong."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.lin(x)
+        return torch.tanh(h) if self.calls == 1 else torch.sigmoid(h)
+
+
+DIVERGING = [LazyCache, LongerOnRecompute, SwapsOp]
+
+
+@pytest.mark.parametrize("verify", [False, True], ids=["graph_check", "op_trace"])
+@pytest.mark.parametrize("cls", DIVERGING)
+def test_divergent_recomputation_names_the_function(cls, verify):
+    module = cls()
+    out = ds_pipe_ckpt.checkpoint(module, torch.randn(2, 4, requires_grad=True), use_reentrant=False, verify=verify)
+    with pytest.raises(RecomputeMismatchError) as err:
+        out.sum().backward()
+    message = str(err.value)
+    assert f"function {cls.__name__}" in message
+    assert "Usual causes" in message and "checkpointable_layers" in message and "verify_recompute" in message
+    assert isinstance(err.value, CheckpointError)
+
+
+def test_graph_check_names_the_differing_backward_node():
+    out = ds_pipe_ckpt.checkpoint(SwapsOp(), torch.randn(2, 4, requires_grad=True), use_reentrant=False)
+    with pytest.raises(RecomputeMismatchError, match=r"autograd node #\d+ differs: the forward built "
+                                                     r"TanhBackward0 saving 1 tensor, the recomputation built SigmoidBackward0"):
+        out.sum().backward()
+
+
+def test_graph_check_reports_a_shorter_path():
+    out = ds_pipe_ckpt.checkpoint(LazyCache(), torch.randn(2, 4, requires_grad=True), use_reentrant=False)
+    with pytest.raises(RecomputeMismatchError, match=r"forward built SigmoidBackward0 saving 1 tensor.*\(7 vs 6 nodes; 4 vs 3 saved tensors\)"):
+        out.sum().backward()
+
+
+def test_longer_path_is_caught_although_torch_would_stop_early():
+    out = ds_pipe_ckpt.checkpoint(LongerOnRecompute(), torch.randn(2, 4, requires_grad=True), use_reentrant=False)
+    with pytest.raises(RecomputeMismatchError, match="save more tensors during recomputation"):
+        out.sum().backward()
+
+
+def test_op_trace_names_op_position_and_shapes():
+    out = ds_pipe_ckpt.checkpoint(SwapsOp(), torch.randn(2, 4, requires_grad=True), use_reentrant=False, verify=True)
+    with pytest.raises(RecomputeMismatchError, match=r"op #\d+ differs: forward ran aten\.tanh\.default -> "
+                                                     r"\[2, 4\] float32 on cpu, recomputation ran aten\.sigmoid"):
+        out.sum().backward()
+
+
+def test_verify_recompute_from_config():
+    ds_pipe_ckpt.configure(deepspeed_config={"pipeline": {"use_reentrant": False},
+                                             "activation_checkpointing": {"verify_recompute": True}})
+    out = ds_pipe_ckpt.checkpoint(SwapsOp(), torch.randn(2, 4, requires_grad=True))
+    with pytest.raises(RecomputeMismatchError, match="op #"):
+        out.sum().backward()
+
+
+def test_debug_mode_adds_torch_op_traces():
+    ds_pipe_ckpt.configure(use_reentrant=False, debug=True)
+    out = ds_pipe_ckpt.checkpoint(SwapsOp(), torch.randn(2, 4, requires_grad=True))
+    with pytest.raises(CheckpointError) as err:
+        out.sum().backward()
+    assert "Stack traces of the operators that ran in the original forward" in str(err.value)
+    assert isinstance(err.value.__cause__, RecomputeMismatchError)
+    assert "function SwapsOp" in str(err.value.__cause__)
+
+
+def test_deterministic_regions_pass_both_checks():
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3), nn.GELU(), nn.LayerNorm(8))
+    for verify in (False, True):
+        x = torch.randn(3, 8, requires_grad=True)
+        ds_pipe_ckpt.checkpoint(block, x, use_reentrant=False, verify=verify).sum().backward()
+        assert x.grad is not None
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_region_modifying_its_input_in_place_is_refused(use_reentrant):
+    lin = nn.Linear(4, 4)
+
+    def fn(x):
+        return lin(x.relu_())
+
+    x = torch.randn(2, 4, requires_grad=True) * 1.0
+    with pytest.raises(InPlaceInputError, match=r"function test_region_modifying.*fn modified its tensor "
+                                                r"input\(s\) \[0\] in place.*inplace=False"):
+        ds_pipe_ckpt.checkpoint(fn, x, use_reentrant=use_reentrant)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_function_returning_no_tensor_is_refused(use_reentrant):
+    lin = nn.Linear(2, 2)
+
+    def fn(x):
+        lin(x)
+        return None
+
+    with pytest.raises(TypeError, match=r"Checkpointed function .*fn returned no tensor \(NoneType\)"):
+        ds_pipe_ckpt.checkpoint(fn, torch.randn(1, 2, requires_grad=True), use_reentrant=use_reentrant)
+
+
+def test_pipeline_segment_error_names_layers_and_micro_batch(single_rank_process_group):
+    torch.manual_seed(0)
+    module = ds_pipe_ckpt.PipelineModule(
+        layers=[nn.Linear(4, 4), nn.ReLU(), LazyCache(), nn.Linear(4, 2)], num_stages=1,
+        activation_checkpoint_interval=2, activation_checkpoint_func=ds_checkpointing.non_reentrant_checkpoint)
+    with pytest.raises(RecomputeMismatchError) as err:
+        module(torch.randn(3, 4)).sum().backward()
+    assert "checkpointed pipeline layers 2-3 (LazyCache, Linear) in micro-batch 1 diverged" in str(err.value)
