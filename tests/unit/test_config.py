@@ -158,3 +158,9 @@ def test_initialize_reads_args_deepspeed_config(tmp_path):
 def test_pipeline_module_arguments_are_validated(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         ds_pipe_ckpt.PipelineModule(layers=[torch.nn.Linear(2, 2)], num_stages=1, **kwargs)
+
+
+def test_verify_recompute_needs_non_reentrant():
+    with pytest.raises(ConfigError, match=r"activation_checkpointing\.verify_recompute = True is invalid: "
+                                          r"expected false unless pipeline\.use_reentrant is false"):
+        CheckpointingConfig.from_ds_config({"activation_checkpointing": {"verify_recompute": True}})
