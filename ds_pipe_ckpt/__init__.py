@@ -14,6 +14,7 @@ from .checkpoint import checkpoint
 from .config import CheckpointingConfig
 from .errors import ConfigError, InPlaceInputError, RecomputeMismatchError, ReentrantFallbackWarning
 from .initialize import initialize
+from .partition import profile_records, reset
 from .pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from .settings import CheckpointingSettings, configure, current_settings
 
@@ -25,6 +26,8 @@ __all__ = [
     "configure",
     "current_settings",
     "initialize",
+    "reset",
+    "profile_records",
     "CheckpointingConfig",
     "CheckpointingSettings",
     "ConfigError",

@@ -45,8 +45,8 @@ def checkpoint_non_reentrant(function: Callable[..., Any], args: tuple, kwargs: 
     guarded = RecomputeGuard(ReplayTrackerStates(function, ds_checkpointing.get_cuda_rng_tracker()),
                              region, verify=verify)
     # No early stop: the guard compares the whole recomputation with the forward.
-    with saved_input_hooks(settings.config, settings.model_parallel):
-        return torch_checkpoint.checkpoint(guarded, *args, use_reentrant=False, preserve_rng_state=True,
+    with saved_input_hooks(settings.config, settings.model_parallel) as placement:
+        return torch_checkpoint.checkpoint(placement.wrap(guarded), *args, use_reentrant=False, preserve_rng_state=True,
                                            debug=debug, early_stop=False, **kwargs)
 
 

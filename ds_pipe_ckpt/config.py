@@ -110,16 +110,6 @@ class CheckpointingConfig:
                               "Set it to the number of checkpointed segments per micro-batch "
                               "(the buffers are sized from it).")
 
-    @property
-    def needs_model_parallel_group(self) -> bool:
-        return self.partition_activations
-
-    @property
-    def offloads_activations(self) -> bool:
-        """True when saved checkpoint inputs leave the compute device or get sharded."""
-        return (self.partition_activations or self.cpu_checkpointing
-                or self.contiguous_memory_optimization)
-
     @classmethod
     def from_ds_config(cls, param_dict: Mapping[str, Any] | None) -> "CheckpointingConfig":
         """Parse the ``pipeline`` and ``activation_checkpointing`` sections."""

@@ -23,8 +23,9 @@ logger = logging.getLogger("ds_pipe_ckpt")
 
 __all__ = ["CheckpointingSettings", "configure", "current_settings"]
 
-# Options that only the reentrant path (delegated to DeepSpeed) implements so far.
-_NON_REENTRANT_PENDING = (
+# Options the reentrant mode delegates to DeepSpeed's checkpointing module (the
+# non-reentrant mode implements them in ds_pipe_ckpt.partition).
+_UPSTREAM_OPTIONS = (
     "partition_activations",
     "cpu_checkpointing",
     "contiguous_memory_optimization",
@@ -41,6 +42,9 @@ class CheckpointingSettings:
     model_parallel: TensorParallelGroup | None = None
     # Warnings already issued, so that each is logged once per configuration.
     warned: set = field(default_factory=set)
+    # State the checkpoints of this configuration share (buffer pool, profile
+    # records): a ds_pipe_ckpt.partition.CheckpointRuntime, created on first use.
+    runtime: Any = field(default=None, repr=False, compare=False)
 
     def warn_once(self, key: str, message: str, category: type[Warning] = UserWarning) -> None:
         """Issue ``message`` the first time ``key`` is seen under this configuration."""
@@ -64,24 +68,19 @@ def _check_supported(config: CheckpointingConfig, model_parallel: TensorParallel
                           "false when no model-parallel group is known",
                           "Pass mpu= (an object with get_model_parallel_group/rank/world_size, "
                           "e.g. PipelineModule.mpu()) to configure(), or use ds_pipe_ckpt.initialize().")
-    if not config.use_reentrant:
-        enabled = [k for k in _NON_REENTRANT_PENDING if getattr(config, k)]
-        if enabled:
-            raise NotImplementedError(
-                f"activation_checkpointing.{enabled[0]} is not supported yet with "
-                "pipeline.use_reentrant=false; set it to false, or use the reentrant mode "
-                "(which delegates these options to DeepSpeed).")
 
 
 def _configure_upstream(config: CheckpointingConfig, model_parallel: TensorParallelGroup | None) -> None:
     """Mirror the options into DeepSpeed's checkpointing module, which the
-    reentrant mode delegates to. DeepSpeed's configure() needs torch.distributed."""
+    reentrant mode delegates to. DeepSpeed's configure() needs torch.distributed;
+    the non-reentrant mode does not use DeepSpeed's copy of these options."""
     if not ds_comm.is_initialized():
-        needs_dist = [k for k in _NON_REENTRANT_PENDING if getattr(config, k)]
-        if needs_dist:
+        needs_dist = [k for k in _UPSTREAM_OPTIONS if getattr(config, k)]
+        if needs_dist and config.use_reentrant:
             raise ConfigError(f"activation_checkpointing.{needs_dist[0]}", True,
-                              "false before torch.distributed is initialized",
-                              "Call deepspeed.init_distributed() first.")
+                              "false before torch.distributed is initialized in the reentrant mode",
+                              "Call deepspeed.init_distributed() first (the reentrant mode delegates this "
+                              "option to DeepSpeed), or set pipeline.use_reentrant to false.")
         return
     ds_checkpointing.configure(
         model_parallel,
