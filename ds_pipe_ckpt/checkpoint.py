@@ -42,12 +42,13 @@ def checkpoint_non_reentrant(function: Callable[..., Any], args: tuple, kwargs: 
     recomputation checked against the forward (see :mod:`ds_pipe_ckpt.recompute`)
     and the saved inputs placed as ``activation_checkpointing`` configures."""
     settings = current_settings()
+    # verify compares every op of the recomputation: it must run to the end.
+    early_stop = settings.config.early_stop and not verify
     guarded = RecomputeGuard(ReplayTrackerStates(function, ds_checkpointing.get_cuda_rng_tracker()),
-                             region, verify=verify)
-    # No early stop: the guard compares the whole recomputation with the forward.
+                             region, verify=verify, early_stop=early_stop)
     with saved_input_hooks(settings.config, settings.model_parallel) as placement:
         return torch_checkpoint.checkpoint(placement.wrap(guarded), *args, use_reentrant=False, preserve_rng_state=True,
-                                           debug=debug, early_stop=False, **kwargs)
+                                           debug=debug, early_stop=early_stop, **kwargs)
 
 
 def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool | None = None,

@@ -10,8 +10,10 @@ Keys read (all optional):
     DeepSpeed's keys ``partition_activations``, ``contiguous_memory_optimization``,
     ``number_checkpoints``, ``cpu_checkpointing``, ``synchronize_checkpoint_boundary``,
     ``profile``, plus ours: ``verify_recompute`` (compare each recomputation
-    with its forward op by op, naming the first differing op) and ``debug``
-    (torch's op-trace debug mode for recomputation errors).
+    with its forward op by op, naming the first differing op), ``early_stop``
+    (torch's early stop of recomputation: faster, but a recomputation that takes
+    a longer path can go unseen) and ``debug`` (torch's op-trace debug mode for
+    recomputation errors).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ OVERRIDE_KEYS = {
     "use_reentrant": "use_reentrant",
     "debug": "debug",
     "verify_recompute": "verify_recompute",
+    "early_stop": "early_stop",
 }
 
 
@@ -83,6 +86,7 @@ class CheckpointingConfig:
     synchronize_checkpoint_boundary: bool = False
     profile: bool = False
     verify_recompute: bool = False
+    early_stop: bool = False
     debug: bool = False
 
     def __post_init__(self):
@@ -99,7 +103,7 @@ class CheckpointingConfig:
                               "false unless partition_activations is true",
                               "Contiguous buffers hold partitioned activations: set "
                               f"{SECTION}.partition_activations to true.")
-        for key in ("debug", "verify_recompute"):
+        for key in ("debug", "verify_recompute", "early_stop"):
             if getattr(self, key) and self.use_reentrant:
                 raise ConfigError(key_of[key], True, "false unless pipeline.use_reentrant is false",
                                   f"{key} checks torch's non-reentrant recomputation; "

@@ -213,18 +213,30 @@ class CheckInputsUnmodified:
 
 
 class RecomputeGuard:
-    """Wraps the function handed to torch's checkpoint (run with early stop off).
-    The first call is the forward; every later call is a recomputation."""
+    """Wraps the function handed to torch's checkpoint. The first call is the
+    forward; every later call is a recomputation.
 
-    def __init__(self, fn: Callable[..., Any], region: Region, *, verify: bool):
+    ``early_stop=False`` (default): the recomputation runs to the end and its
+    autograd graph must equal the forward's. ``early_stop=True``: torch stops the
+    recomputation once every saved tensor is rebuilt, so only a recomputation
+    that *finishes* (it saved fewer tensors: a shorter path) is caught here, plus
+    torch's own checks; a longer path whose first tensors have the right shapes
+    goes unseen. That is the trade ``activation_checkpointing.early_stop`` makes.
+    """
+
+    def __init__(self, fn: Callable[..., Any], region: Region, *, verify: bool, early_stop: bool):
         self.fn = fn
         self.region = region
         self.trace = OpTrace(region) if verify else None
-        self.forward_graph: list[str] | None = None
+        self.compare_graphs = not early_stop
+        self.early_stop = early_stop
+        self.forward_done = False
+        self.forward_graph: list = []
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-        if self.forward_graph is None:
+        if not self.forward_done:
+            self.forward_done = True
             return self._forward(args, kwargs, inputs)
         return self._recompute(args, kwargs, inputs)
 
@@ -234,10 +246,10 @@ class RecomputeGuard:
             out = self.fn(*args, **kwargs)
         require_tensor_output(out, self.region)
         if not torch.is_grad_enabled():  # torch does not checkpoint then: nothing to recompute
-            self.forward_graph = []
             return out
         check_inputs_unmodified(inputs, versions, self.region)
-        self.forward_graph = graph_signature(out, inputs)
+        if self.compare_graphs:
+            self.forward_graph = graph_signature(out, inputs)
         return out
 
     def _recompute(self, args: tuple, kwargs: dict, inputs: list) -> Any:
@@ -250,12 +262,18 @@ class RecomputeGuard:
         except torch_checkpoint.CheckpointError as err:
             problem = str(err).split("\n")[0].removeprefix("torch.utils.checkpoint: ")
             raise mismatch(self.region, problem) from err
-        graph = graph_signature(out, inputs)
-        if graph != self.forward_graph:
-            i = _first_difference(self.forward_graph, graph)
-            raise mismatch(self.region, (
-                f"autograd node #{i} differs: the forward built {_node(self.forward_graph, i, 'longer')}, "
-                f"the recomputation built {_node(graph, i, 'shorter')} "
-                f"({len(self.forward_graph)} vs {len(graph)} nodes; "
-                f"{sum(n for _, n in self.forward_graph)} vs {sum(n for _, n in graph)} saved tensors)."))
+        if self.early_stop:
+            # torch stops a recomputation as soon as it has rebuilt every tensor the
+            # forward saved; finishing means it saved fewer.
+            raise mismatch(self.region, "the recomputation finished having saved fewer tensors than the "
+                                        "forward (a shorter path).")
+        if self.compare_graphs:
+            graph = graph_signature(out, inputs)
+            if graph != self.forward_graph:
+                i = _first_difference(self.forward_graph, graph)
+                raise mismatch(self.region, (
+                    f"autograd node #{i} differs: the forward built {_node(self.forward_graph, i, 'longer')}, "
+                    f"the recomputation built {_node(graph, i, 'shorter')} "
+                    f"({len(self.forward_graph)} vs {len(graph)} nodes; "
+                    f"{sum(n for _, n in self.forward_graph)} vs {sum(n for _, n in graph)} saved tensors)."))
         return out

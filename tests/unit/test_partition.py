@@ -258,7 +258,10 @@ def test_no_hooks_when_nothing_needs_them(options):
     assert partition.profile_records() == []
 
 
-def test_non_reentrant_options_need_no_process_group_but_reentrant_ones_do():
+def test_non_reentrant_options_need_no_process_group_but_reentrant_ones_do(monkeypatch):
+    # As in a process where torch.distributed was never initialised (other tests
+    # of this session may have initialised a one-rank group).
+    monkeypatch.setattr(ds_pipe_ckpt.settings.ds_comm, "is_initialized", lambda: False)
     settings = ds_pipe_ckpt.configure(use_reentrant=False, checkpoint_in_cpu=True, profile=True)
     assert settings.config.cpu_checkpointing
     with pytest.raises(ConfigError, match="activation_checkpointing.cpu_checkpointing"):

@@ -160,3 +160,21 @@ def test_pipeline_segment_error_names_layers_and_micro_batch(single_rank_process
     with pytest.raises(RecomputeMismatchError) as err:
         module(torch.randn(3, 4)).sum().backward()
     assert "checkpointed pipeline layers 2-3 (LazyCache, Linear) in micro-batch 1 diverged" in str(err.value)
+
+
+def test_early_stop_still_names_a_shorter_path():
+    ds_pipe_ckpt.configure(use_reentrant=False, early_stop=True)
+    out = ds_pipe_ckpt.checkpoint(LazyCache(), torch.randn(2, 4, requires_grad=True))
+    with pytest.raises(RecomputeMismatchError, match="function LazyCache diverged.*saved fewer tensors than the "
+                                                     r"forward \(a shorter path\)"):
+        out.sum().backward()
+
+
+def test_early_stop_trades_away_longer_path_detection():
+    """Documented trade-off of activation_checkpointing.early_stop: torch stops the
+    recomputation once the forward's tensor count is reached, so a longer path
+    whose first saved tensors have the right shapes is not seen. The default
+    (early_stop false) catches it: test_longer_path_is_caught_although_torch_would_stop_early."""
+    ds_pipe_ckpt.configure(use_reentrant=False, early_stop=True)
+    out = ds_pipe_ckpt.checkpoint(LongerOnRecompute(), torch.randn(2, 4, requires_grad=True))
+    out.sum().backward()  # no error: this is why early_stop is off by default
