@@ -3,6 +3,7 @@ non-reentrant checkpoint."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -11,7 +12,7 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_check
 
 from .errors import ConfigError, ReentrantFallbackWarning
 from .partition import saved_input_hooks
-from .recompute import CheckInputsUnmodified, RecomputeGuard, Region
+from .recompute import CheckInputsUnmodified, InputVersionCheck, RecomputeGuard, Region
 from .rng import ReplayTrackerStates
 from .settings import current_settings
 
@@ -47,8 +48,12 @@ def checkpoint_non_reentrant(function: Callable[..., Any], args: tuple, kwargs: 
     guarded = RecomputeGuard(ReplayTrackerStates(function, ds_checkpointing.get_cuda_rng_tracker()),
                              region, verify=verify, early_stop=early_stop)
     with saved_input_hooks(settings.config, settings.model_parallel) as placement:
-        return torch_checkpoint.checkpoint(placement.wrap(guarded), *args, use_reentrant=False, preserve_rng_state=True,
-                                           debug=debug, early_stop=early_stop, **kwargs)
+        # Placement hooks copy the inputs when the forward ends; otherwise the live
+        # tensors are saved and must not change before the recomputation.
+        with contextlib.nullcontext() if placement.holds_inputs else InputVersionCheck(region):
+            return torch_checkpoint.checkpoint(placement.wrap(guarded), *args, use_reentrant=False,
+                                               preserve_rng_state=True, debug=debug, early_stop=early_stop,
+                                               **kwargs)
 
 
 def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool | None = None,

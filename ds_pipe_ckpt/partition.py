@@ -135,6 +135,11 @@ class _SegmentHooks:
         self._saved_tensors_hooks = None
         self._started: float | None = None
 
+    @property
+    def holds_inputs(self) -> bool:
+        """Whether the saved inputs are packed by these hooks (copied when the forward ends)."""
+        return self.stash is not None
+
     def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Wrap the checkpointed function so that recomputations are synchronised and timed."""
         if self.record is not None:
@@ -168,6 +173,8 @@ class _SegmentHooks:
 
 class _Inactive:
     """Stands in for :class:`_SegmentHooks` when no option needs anything."""
+
+    holds_inputs = False
 
     def __enter__(self) -> "_Inactive":
         return self

@@ -12,7 +12,8 @@ Two levels:
   ops all show up, and the first differing node is named. Any
   ``CheckpointError`` torch raises while recomputing is re-raised naming the
   region; a region that modifies its own inputs in place is refused at forward
-  time.
+  time, and one whose saved input is modified in place later, before its
+  recomputation, is refused then.
 * ``activation_checkpointing.verify_recompute`` (or ``verify=True``): every op
   (also those that build no backward node) is recorded with its output shapes,
   dtypes and devices by a ``TorchDispatchMode`` and the recomputation is
@@ -37,7 +38,7 @@ from torch.utils._pytree import tree_leaves
 
 from .errors import InPlaceInputError, RecomputeMismatchError
 
-__all__ = ["Region", "RecomputeGuard", "CheckInputsUnmodified", "graph_signature"]
+__all__ = ["Region", "RecomputeGuard", "CheckInputsUnmodified", "InputVersionCheck", "graph_signature"]
 
 CAUSES = (
     "Usual causes: an op whose saved tensors depend on torch.is_grad_enabled() or on "
@@ -193,6 +194,30 @@ def require_tensor_output(out: Any, region: Region) -> None:
         raise TypeError(f"Checkpointed {region} returned no tensor ({type(out).__name__}): there is "
                         "nothing to recompute and no gradient can flow through it. Call it without "
                         "checkpointing, or return the tensors it computes.")
+
+
+class InputVersionCheck(torch.autograd.graph.saved_tensors_hooks):
+    """Around one torch checkpoint call: the inputs torch saves for the
+    recomputation (only those: inside the region torch's own hooks take over)
+    are kept with their version counters, and the recomputation refuses an input
+    that was modified in place after the forward, naming the region."""
+
+    def __init__(self, region: Region):
+        def pack(tensor: torch.Tensor) -> tuple:
+            return tensor, tensor._version
+
+        def unpack(packed: tuple) -> torch.Tensor:
+            tensor, version = packed
+            if tensor._version != version:
+                raise InPlaceInputError(
+                    f"The input of checkpointed {region} was modified in place after its forward "
+                    f"(version {version} -> {tensor._version}), before it was recomputed; the "
+                    "recomputation would see different values. Typically a later layer changes, in "
+                    "place, a tensor this region received and passed on. Make that op out-of-place "
+                    "(e.g. inplace=False, x = x + y instead of x += y) or clone the tensor first.")
+            return tensor
+
+        super().__init__(pack, unpack)
 
 
 class CheckInputsUnmodified:

@@ -178,3 +178,39 @@ def test_early_stop_trades_away_longer_path_detection():
     ds_pipe_ckpt.configure(use_reentrant=False, early_stop=True)
     out = ds_pipe_ckpt.checkpoint(LongerOnRecompute(), torch.randn(2, 4, requires_grad=True))
     out.sum().backward()  # no error: this is why early_stop is off by default
+
+
+def test_input_modified_in_place_after_the_forward_is_named():
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    h = x * 1.0
+    out = ds_pipe_ckpt.checkpoint(lin, h, use_reentrant=False)
+    h.add_(1.0)  # a later layer changes the saved input in place
+    with pytest.raises(InPlaceInputError, match=r"input of checkpointed function Linear was modified in place "
+                                                r"after its forward \(version 0 -> 1\)"):
+        out.sum().backward()
+
+
+def test_pipeline_next_layer_modifying_a_passed_through_tensor_is_named(single_rank_process_group):
+    class PassThrough(nn.Module):
+        """Returns its input next to a new tensor (as a mask is passed along)."""
+
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x), x
+
+    class AddInPlace(nn.Module):
+        def forward(self, pair):
+            a, b = pair
+            return b.add_(a)
+
+    module = ds_pipe_ckpt.PipelineModule(
+        layers=[nn.Linear(4, 4), PassThrough(), AddInPlace(), nn.Linear(4, 1)], num_stages=1,
+        activation_checkpoint_interval=1, activation_checkpoint_func=ds_checkpointing.non_reentrant_checkpoint,
+        checkpointable_layers=["Linear", "PassThrough"])
+    with pytest.raises(InPlaceInputError, match=r"input of checkpointed pipeline layer 1 \(PassThrough\) in "
+                                                r"micro-batch 1 was modified in place after its forward"):
+        module(torch.randn(3, 4)).sum().backward()
