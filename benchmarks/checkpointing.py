@@ -31,7 +31,7 @@ from typing import Sequence  # noqa: E402
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 
-from .distributed import run_ranks  # noqa: E402
+from ds_pipe_ckpt.testing import run_ranks  # noqa: E402
 from .floor import checkpointing_floor, segment_sizes  # noqa: E402
 from .measure import Result, Stage, measure_in_rank, measure_variants  # noqa: E402
 from .report import WorkloadReport, markdown, write_json, write_png  # noqa: E402

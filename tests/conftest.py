@@ -20,7 +20,7 @@ def single_rank_process_group():
     import deepspeed
     import torch.distributed as dist
 
-    from helpers.distributed import free_port
+    from ds_pipe_ckpt.testing import free_port
 
     if not dist.is_initialized():
         os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",

@@ -49,10 +49,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cifar10_launch import REPO_ROOT, LaunchFailure, deepspeed_launch
+from ds_pipe_ckpt.testing import LaunchFailure, deepspeed_launch
 
 from examples.cifar10.data import generate_cifar10_format
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TRAIN_SCRIPT = REPO_ROOT / "examples" / "cifar10" / "train.py"
 CONFIG_DIR = REPO_ROOT / "examples" / "cifar10" / "configs"
 
@@ -131,7 +132,7 @@ class Launches:
         args = ["--pp", str(pp), "--mp", str(mp), "--steps", str(STEPS), "--seed", str(SEED), *MODEL_ARGS,
                 "--cache-dir", str(self.cache_dir), "--out-dir", str(out_dir), "--save-params", "--no-progress",
                 "--deepspeed_config", *map(str, configs_for(topology))]
-        deepspeed_launch(TRAIN_SCRIPT, pp * mp * dp, args, folder / "logs", timeout=LAUNCH_TIMEOUT)
+        deepspeed_launch(TRAIN_SCRIPT, pp * mp * dp, args, folder / "logs", timeout=LAUNCH_TIMEOUT, cwd=REPO_ROOT)
         return TopologyRun(topology, json.loads((out_dir / "summary.json").read_text()), out_dir)
 
 
@@ -229,7 +230,7 @@ def test_failed_rank_is_named_with_its_output(tmp_path):
         "    raise RuntimeError('deliberate failure on rank 1')\n"
         "time.sleep(60)\n")
     with pytest.raises(LaunchFailure) as failure:
-        deepspeed_launch(script, 2, [], tmp_path / "logs", timeout=120)
+        deepspeed_launch(script, 2, [], tmp_path / "logs", timeout=120, cwd=REPO_ROOT)
     message = str(failure.value)
     assert "rank(s) [1] of 2 raised" in message
     assert "deliberate failure on rank 1" in message

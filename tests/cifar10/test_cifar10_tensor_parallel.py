@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import cifar10_tp_jobs
-from helpers.distributed import run_ranks
+from ds_pipe_ckpt.testing import run_ranks
 
 from examples.cifar10.model import TensorParallelClassifier, alexnet_layers
 from examples.cifar10.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallelDropout,

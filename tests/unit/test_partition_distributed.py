@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import ds_pipe_ckpt
-from helpers.distributed import run_ranks
+from ds_pipe_ckpt.testing import run_ranks
 
 # ---------------------------------------------------------------------------------
 # Rank side (module level so that spawned ranks can import it)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import pipeline_jobs
-from helpers.distributed import run_ranks
+from ds_pipe_ckpt.testing import run_ranks
 
 STEPS = 12
 

@@ -1,1 +1,0 @@
-"""Shared test helpers (importable because pytest.ini puts tests/ on sys.path)."""

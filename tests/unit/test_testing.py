@@ -1,0 +1,46 @@
+"""The rank runner every multi-process test and benchmark uses: results come
+back in rank order, and a failing or hanging rank is named instead of
+leaving the caller waiting."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ds_pipe_ckpt.testing import RankFailure, run_ranks
+
+
+def rank_and_sum() -> tuple[int, torch.Tensor]:
+    value = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(value)
+    return dist.get_rank(), value
+
+
+def fail_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("deliberate failure on rank 1")
+    dist.barrier()  # rank 0 would wait here forever without the runner's report
+
+
+def sleep_on_rank_zero() -> None:
+    if dist.get_rank() == 0:
+        time.sleep(60)
+
+
+def test_results_come_back_in_rank_order_with_tensors():
+    results = run_ranks(rank_and_sum, 2, timeout=120)
+    assert [rank for rank, _ in results] == [0, 1]
+    assert all(torch.equal(total, torch.tensor([3.0])) for _, total in results)
+
+
+def test_a_rank_that_raises_is_named_with_its_traceback():
+    with pytest.raises(RankFailure, match=r"(?s)^fail_on_rank_one: rank 1 of 2 raised:.*ValueError: deliberate failure on rank 1"):
+        run_ranks(fail_on_rank_one, 2, timeout=120)
+
+
+def test_a_rank_that_hangs_is_named_after_the_timeout():
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"timed out after 10 s; rank\(s\) \[0\] did not finish"):
+        run_ranks(sleep_on_rank_zero, 2, timeout=10)
+    assert time.monotonic() - start < 30
