@@ -10,13 +10,13 @@ def ops_extension():
     """The optional pack/unpack ops (csrc/), built when DS_PIPE_CKPT_BUILD_OPS=1, as
     DeepSpeed's DS_BUILD_* variables do. Needs torch importable at build time
     (``pip install --no-build-isolation``) and nvcc. Without it the ops are built
-    just in time on first use on a CUDA machine (ds_pipe_ckpt.kernels), or the
+    just in time on first use on a CUDA machine (ds_pipe_ckpt.placement.kernels), or the
     pure-torch fallback is used."""
     if os.environ.get("DS_PIPE_CKPT_BUILD_OPS", "0") != "1":
         return {}
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
     extension = CUDAExtension(
-        name="ds_pipe_ckpt._ops",  # a library of torch ops (TORCH_LIBRARY), loaded with torch.ops.load_library
+        name="ds_pipe_ckpt.placement._ops",  # a library of torch ops (TORCH_LIBRARY), loaded with torch.ops.load_library
         sources=["csrc/ops.cpp", "csrc/batched_copy.cu"],
         define_macros=[("DS_PIPE_CKPT_WITH_CUDA", None)],
         extra_compile_args={"cxx": ["-O2"], "nvcc": ["-O3"]},

@@ -14,7 +14,7 @@ from .checkpoint import checkpoint
 from .config import CheckpointingConfig
 from .errors import ConfigError, InPlaceInputError, RecomputeMismatchError, ReentrantFallbackWarning
 from .initialize import initialize
-from .partition import profile_records, reset
+from .placement.runtime import profile_records, reset
 from .pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from .settings import CheckpointingSettings, configure, current_settings
 

@@ -11,7 +11,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
 from .errors import ConfigError, ReentrantFallbackWarning
-from .partition import saved_input_hooks
+from .placement.runtime import saved_input_hooks
 from .recompute import CheckInputsUnmodified, InputVersionCheck, RecomputeGuard, Region
 from .rng import ReplayTrackerStates
 from .settings import current_settings

@@ -24,7 +24,7 @@ logger = logging.getLogger("ds_pipe_ckpt")
 __all__ = ["CheckpointingSettings", "configure", "current_settings"]
 
 # Options the reentrant mode delegates to DeepSpeed's checkpointing module (the
-# non-reentrant mode implements them in ds_pipe_ckpt.partition).
+# non-reentrant mode implements them in ds_pipe_ckpt.placement).
 _UPSTREAM_OPTIONS = (
     "partition_activations",
     "cpu_checkpointing",
@@ -43,7 +43,7 @@ class CheckpointingSettings:
     # Warnings already issued, so that each is logged once per configuration.
     warned: set = field(default_factory=set)
     # State the checkpoints of this configuration share (buffer pool, profile
-    # records): a ds_pipe_ckpt.partition.CheckpointRuntime, created on first use.
+    # records): a ds_pipe_ckpt.placement.runtime.CheckpointRuntime, created on first use.
     runtime: Any = field(default=None, repr=False, compare=False)
 
     def warn_once(self, key: str, message: str, category: type[Warning] = UserWarning) -> None:

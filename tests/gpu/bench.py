@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from standalone import import_modules  # noqa: E402
 
-kernels, op_builder, pack = import_modules("kernels", "op_builder", "pack")
+kernels, op_builder, pack = import_modules("placement.kernels", "placement.op_builder", "placement.pack")
 
 MIB = 1 << 20
 DEVICE = "cpu" if os.environ.get("DS_PIPE_CKPT_GPU_TESTS_ON_CPU") == "1" else "cuda"  # dry run on CPU

@@ -1,7 +1,7 @@
 """Import ds_pipe_ckpt's kernel modules without DeepSpeed.
 
 ``ds_pipe_ckpt/__init__.py`` imports DeepSpeed; the kernel modules
-(``pack``, ``kernels``, ``op_builder``, ``contiguous``, ``stash``) need only
+(``placement.pack``, ``.kernels``, ``.op_builder``, ``.pool``, ``.stash``) need only
 torch. Where DeepSpeed is not installed (the GPU machine), the package is
 registered as a bare namespace over its directory so that those submodules
 import without running ``__init__``.

@@ -26,7 +26,7 @@ import torch.utils.checkpoint as torch_checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from standalone import import_modules  # noqa: E402
 
-kernels, op_builder, pack, contiguous, stash = import_modules("kernels", "op_builder", "pack", "contiguous", "stash")
+kernels, op_builder, pack, pool_module, stash = import_modules("placement.kernels", "placement.op_builder", "placement.pack", "placement.pool", "placement.stash")
 
 try:
     import pytest
@@ -160,7 +160,7 @@ def test_ops_run_on_the_current_stream():
 
 
 def _fake_runtime(world_size, rank, cpu, pool, originals):
-    """What SegmentStash needs from ds_pipe_ckpt.partition.CheckpointRuntime, with an
+    """What SegmentStash needs from ds_pipe_ckpt.placement.runtime.CheckpointRuntime, with an
     all-gather that builds the other ranks' shards from the original inputs (one GPU)."""
 
     def all_gather(output, shard):
@@ -208,7 +208,7 @@ def test_checkpointed_segment_through_the_ops_has_exact_gradients():
     reference = run(None)
     for world_size, rank, cpu, pooled in [(1, 0, False, False), (1, 0, True, False), (4, 2, False, False),
                                           (4, 3, True, False), (2, 1, False, True), (4, 0, True, True)]:
-        pool = contiguous.BufferPool(2) if pooled else None
+        pool = pool_module.BufferPool(2) if pooled else None
         got = run(dict(world_size=world_size, rank=rank, cpu=cpu, pool=pool))
         for a, b in zip(reference, got):
             assert torch.equal(a, b), (world_size, rank, cpu, pooled)

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from ds_pipe_ckpt import kernels, op_builder
-from ds_pipe_ckpt.pack import ALIGNMENT, PackLayout, byte_view, pack_fallback, unpack_fallback
+from ds_pipe_ckpt.placement import kernels, op_builder
+from ds_pipe_ckpt.placement.pack import ALIGNMENT, PackLayout, byte_view, pack_fallback, unpack_fallback
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int64, torch.bool]
 

@@ -14,7 +14,8 @@ import torch.nn as nn
 import torch.utils.checkpoint as torch_checkpoint
 
 import ds_pipe_ckpt
-from ds_pipe_ckpt import ConfigError, partition
+from ds_pipe_ckpt import ConfigError
+from ds_pipe_ckpt.placement import runtime as partition
 from ds_pipe_ckpt.parallel import TensorParallelGroup
 
 SOLO = TensorParallelGroup(group=None, rank=0, world_size=1)

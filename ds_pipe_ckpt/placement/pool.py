@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .pack import ALIGNMENT
 
 __all__ = ["BufferPool", "BufferLease"]

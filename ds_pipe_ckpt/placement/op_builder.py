@@ -57,7 +57,7 @@ class BuildError(RuntimeError):
 
 def source_dir() -> Path | None:
     """The ``csrc/`` directory of this source checkout, or None (e.g. in a wheel install)."""
-    candidate = Path(__file__).resolve().parent.parent / "csrc"
+    candidate = Path(__file__).resolve().parents[2] / "csrc"
     return candidate if all((candidate / name).is_file() for name in SOURCES) else None
 
 

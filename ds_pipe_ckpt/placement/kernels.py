@@ -4,7 +4,7 @@ run, the pure-torch fallback (identical bytes) everywhere else.
 * :func:`pack`: K tensors -> one rank's contiguous shard of their packed bytes.
 * :func:`unpack`: the gathered buffer -> K tensors.
 
-Layout and contracts: :mod:`ds_pipe_ckpt.pack`. CUDA tensors use
+Layout and contracts: :mod:`ds_pipe_ckpt.placement.pack`. CUDA tensors use
 ``torch.ops.ds_pipe_ckpt.{pack,unpack}`` (one kernel launch each) when the ops
 library is available; CPU tensors always use the fallback (a copy per tensor,
 which on CPU is what the op's CPU implementation does anyway; that
@@ -17,9 +17,9 @@ the first CUDA tensor (or by :func:`status`) and logged once:
 1. ``DS_PIPE_CKPT_OPS=off``, a CPU-only torch, or no visible CUDA device: none;
    the fallback.
 2. Built at install time (``DS_PIPE_CKPT_BUILD_OPS=1 pip install --no-build-isolation .``):
-   ``ds_pipe_ckpt/_ops*.so``.
+   ``ds_pipe_ckpt/placement/_ops*.so``.
 3. A cached just-in-time build for the current sources and torch (see
-   :mod:`ds_pipe_ckpt.op_builder`).
+   :mod:`ds_pipe_ckpt.placement.op_builder`).
 4. A just-in-time build (needs nvcc and a host C++ compiler; about 20 s on 2 cores).
 
 Otherwise the fallback, with the reason in :func:`status`. With

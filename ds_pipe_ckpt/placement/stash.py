@@ -7,7 +7,7 @@ Life of a :class:`SegmentStash`:
 1. ``pack`` (torch's saved-tensor pack hook, called for each tensor input of
    the checkpoint before the forward runs): remember the tensor, return an index.
 2. ``seal`` (after the forward): the floating-point inputs are packed into one
-   byte buffer (:class:`~ds_pipe_ckpt.pack.PackLayout`) of which this rank keeps
+   byte buffer (:class:`~ds_pipe_ckpt.placement.pack.PackLayout`) of which this rank keeps
    its shard, on the device or in host memory; the references to the full
    tensors are dropped, so their memory is freed unless something else holds
    them (the caller's own references are never touched: the stash copies).
@@ -39,7 +39,7 @@ from . import kernels
 from .pack import PackLayout, byte_view
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .partition import CheckpointRuntime
+    from .runtime import CheckpointRuntime
     from .profiling import CheckpointRecord
 
 __all__ = ["SegmentStash"]

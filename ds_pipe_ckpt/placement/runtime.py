@@ -5,7 +5,7 @@ in pooled buffers, with optional boundary synchronisation and profiling.
 Implemented with ``torch.autograd.graph.saved_tensors_hooks`` around torch's
 non-reentrant checkpoint: torch packs a segment's inputs through these hooks
 (and only those; the tensors saved inside the segment go to torch's own hooks)
-into a :class:`~ds_pipe_ckpt.stash.SegmentStash`, which shards/offloads them
+into a :class:`~ds_pipe_ckpt.placement.stash.SegmentStash`, which shards/offloads them
 all at once when the forward ends and gathers them with one collective when
 the recomputation starts.
 
@@ -25,12 +25,12 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
-from .config import CheckpointingConfig
-from .contiguous import BufferPool
-from .errors import ConfigError
-from .parallel import TensorParallelGroup
+from ..config import CheckpointingConfig
+from .pool import BufferPool
+from ..errors import ConfigError
+from ..parallel import TensorParallelGroup
 from .profiling import CheckpointProfiler, CheckpointRecord
-from .settings import current_settings
+from ..settings import current_settings
 from .stash import SegmentStash
 
 __all__ = ["saved_input_hooks", "reset", "profile_records", "CheckpointRuntime"]
