@@ -47,6 +47,8 @@ setup(
             "torchvision",
             "matplotlib",
             "tqdm",
+            # Drop-in tests drive real transformers models (built from configs, nothing downloaded).
+            "transformers>=5,<6",
         ],
         "example": ["torchvision", "matplotlib", "tqdm"],
     },

@@ -1,20 +1,47 @@
 """``checkpoint()``: DeepSpeed's activation-checkpoint call, built on torch's
-non-reentrant checkpoint."""
+non-reentrant checkpoint.
+
+Two modes, chosen by ``pipeline.use_reentrant`` / ``use_reentrant=``:
+
+* **Non-reentrant** (:func:`checkpoint_non_reentrant`): torch's
+  ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` around a
+  :class:`~ds_pipe_ckpt.region_call.RegionCall` (DeepSpeed's model-parallel RNG
+  tracker replayed, the recomputation checked) inside
+  :class:`~ds_pipe_ckpt.inputs.SavedInputs` (in-place inputs, placement of the
+  saved inputs).
+* **Reentrant**: DeepSpeed's own ``deepspeed.checkpointing.checkpoint``
+  (:mod:`ds_pipe_ckpt.reentrant`), except where it would lose gradients:
+
+  - a call with no tensor input that requires grad (DeepSpeed would return an
+    output without ``grad_fn`` and drop the gradients of the parameters inside)
+    runs non-reentrantly, with a one-time :class:`~ds_pipe_ckpt.ReentrantFallbackWarning`;
+  - a region's first call (with grad enabled) runs non-reentrantly, which gives
+    the same result and learns two things DeepSpeed's path cannot see: whether
+    the region modifies an input in place (such a region keeps running
+    non-reentrantly, with a one-time warning) and whether its recomputation
+    reproduces its forward (a cache of a parameter built on the first call, such
+    as ``w / w.norm()``, fails there with a
+    :class:`~ds_pipe_ckpt.RecomputeMismatchError`; through DeepSpeed's path its
+    parameter would silently get no gradient, since the forward runs without grad).
+"""
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
-from .errors import ConfigError, ReentrantFallbackWarning
-from .placement.runtime import saved_input_hooks
-from .recompute import CheckInputsUnmodified, InputVersionCheck, RecomputeGuard, Region
-from .rng import ReplayTrackerStates
-from .settings import current_settings
+from .inputs import SavedInputs
+from .options import CheckpointOptions
+from .placement.runtime import placement_for
+from .reentrant import reentrant_checkpoint
+from .region_call import RegionCall
+from .regions import Region, describe_callable
+from .selective import default_ops, resolve_ops, selective_context_fn
+from .settings import CheckpointingSettings, current_settings
+from .errors import ReentrantFallbackWarning
 
 __all__ = ["checkpoint", "checkpoint_region", "checkpoint_non_reentrant"]
 
@@ -24,105 +51,129 @@ _FALLBACK_WARNING = (
     "silently drop the gradients of the parameters inside it. Using torch's non-reentrant "
     "checkpoint for such calls instead (same math). Set pipeline.use_reentrant=false to "
     "use it everywhere and silence this warning.")
+_IN_PLACE_WARNING = (
+    "ds_pipe_ckpt.checkpoint: checkpointed {name} modifies its input in place during its forward, "
+    "which DeepSpeed's reentrant checkpoint cannot recompute; it runs through torch's non-reentrant "
+    "checkpoint instead (same math). Set pipeline.use_reentrant=false to use it everywhere and "
+    "silence this warning.")
 
 
-def _name_of(function: Callable[..., Any]) -> str:
-    name = getattr(function, "__qualname__", None) or getattr(function, "__name__", None)
-    return name or type(function).__name__
+def _context_fn(options: CheckpointOptions) -> Callable[[], tuple]:
+    if options.selective:
+        ops = default_ops() if options.save_ops is None else resolve_ops(options.save_ops)
+        return selective_context_fn(ops)
+    return options.context_fn if options.context_fn is not None else torch_checkpoint.noop_context_fn
 
 
-def _any_tensor_requires_grad(args: tuple, kwargs: dict) -> bool:
-    return any(isinstance(a, torch.Tensor) and a.requires_grad
-               for a in (*args, *kwargs.values()))
+def checkpoint_non_reentrant(function: Callable[..., Any], args: tuple, kwarg_names: tuple[str, ...],
+                             region: Region, options: CheckpointOptions, settings: CheckpointingSettings) -> Any:
+    """torch's non-reentrant checkpoint of ``function`` (see the module docstring);
+    ``args`` ends with the values of the keyword arguments named ``kwarg_names``."""
+    placement = placement_for(settings.config, settings.model_parallel)
+    call = RegionCall(function, region, kwarg_names=kwarg_names,
+                      tracker=ds_checkpointing.get_cuda_rng_tracker() if options.preserve_rng_state else None,
+                      check=options.determinism_check != "none", verify=options.verify, placement=placement)
+    extra = {}
+    if options.respect_saved_tensors_hooks is not None:
+        extra["respect_saved_tensors_hooks"] = options.respect_saved_tensors_hooks
+    with SavedInputs(region, placement):
+        # verify compares every op of the recomputation: it must run to the end.
+        return torch_checkpoint.checkpoint(call, *args, use_reentrant=False,
+                                           preserve_rng_state=options.preserve_rng_state,
+                                           context_fn=_context_fn(options),
+                                           determinism_check=options.determinism_check, debug=options.debug,
+                                           early_stop=options.early_stop and not options.verify, **extra)
 
 
-def checkpoint_non_reentrant(function: Callable[..., Any], args: tuple, kwargs: dict, *,
-                             region: Region, debug: bool, verify: bool) -> Any:
-    """torch's non-reentrant checkpoint of ``function(*args, **kwargs)``, with
-    DeepSpeed's model-parallel RNG tracker replayed for the recomputation, the
-    recomputation checked against the forward (see :mod:`ds_pipe_ckpt.recompute`)
-    and the saved inputs placed as ``activation_checkpointing`` configures."""
+def _inputs_are_copied(settings: CheckpointingSettings) -> bool:
+    """Whether DeepSpeed's reentrant path stores copies of floating-point inputs."""
+    config = settings.config
+    partitioned = config.partition_activations and settings.model_parallel is not None \
+        and settings.model_parallel.world_size > 1
+    return config.cpu_checkpointing or partitioned
+
+
+def checkpoint_region(function: Callable[..., Any], args: tuple, kwargs: dict, region: Region,
+                      options: CheckpointOptions) -> Any:
+    """Checkpoint ``function(*args, **kwargs)`` as ``region`` with ``options``
+    (what :func:`checkpoint` and ``PipelineModule`` call)."""
     settings = current_settings()
-    # verify compares every op of the recomputation: it must run to the end.
-    early_stop = settings.config.early_stop and not verify
-    guarded = RecomputeGuard(ReplayTrackerStates(function, ds_checkpointing.get_cuda_rng_tracker()),
-                             region, verify=verify, early_stop=early_stop)
-    with saved_input_hooks(settings.config, settings.model_parallel) as placement:
-        # Placement hooks copy the inputs when the forward ends; otherwise the live
-        # tensors are saved and must not change before the recomputation.
-        with contextlib.nullcontext() if placement.holds_inputs else InputVersionCheck(region):
-            return torch_checkpoint.checkpoint(placement.wrap(guarded), *args, use_reentrant=False,
-                                               preserve_rng_state=True, debug=debug, early_stop=early_stop,
-                                               **kwargs)
+    kwarg_names = tuple(kwargs)
+    flat = (*args, *kwargs.values()) if kwargs else args
+    if not options.use_reentrant:
+        return checkpoint_non_reentrant(function, flat, kwarg_names, region, options, settings)
+    if torch.is_grad_enabled():
+        if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in flat):
+            settings.warn_once("reentrant-fallback", _FALLBACK_WARNING.format(name=region.name),
+                               ReentrantFallbackWarning)
+            return checkpoint_non_reentrant(function, flat, kwarg_names, region, options.learning(), settings)
+        if not region.facts.learned:
+            return checkpoint_non_reentrant(function, flat, kwarg_names, region, options.learning(), settings)
+        if region.facts.mutates_inputs:
+            settings.warn_once(f"reentrant-in-place:{region.name}", _IN_PLACE_WARNING.format(name=region.name),
+                               ReentrantFallbackWarning)
+            return checkpoint_non_reentrant(function, flat, kwarg_names, region, options.learning(), settings)
+    return reentrant_checkpoint(function, flat, kwarg_names, region, inputs_are_copied=_inputs_are_copied(settings))
 
 
 def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool | None = None,
-               debug: bool | None = None, verify: bool | None = None, **kwargs: Any) -> Any:
-    """Checkpoint ``function(*args, **kwargs)``: drop-in for ``deepspeed.checkpointing.checkpoint``.
+               preserve_rng_state: bool | None = None, context_fn: Callable[[], tuple] | None = None,
+               determinism_check: str | None = None, debug: bool | None = None, early_stop: bool | None = None,
+               respect_saved_tensors_hooks: bool | None = None, verify: bool | None = None, **kwargs: Any) -> Any:
+    """Checkpoint ``function(*args, **kwargs)``: drop-in for ``deepspeed.checkpointing.checkpoint``
+    that also takes ``torch.utils.checkpoint.checkpoint``'s keywords.
 
     The region's activations are not kept; they are recomputed in backward.
 
     Args:
-        function: the region to run. It may return a tensor, a tuple (nested
-            structures and non-tensors included) or anything torch's checkpoint accepts.
+        function: the region: a module, a function, a bound method or a
+            ``functools.partial`` (errors name it as ``Class.method`` or by
+            the module's class). It may return a tensor or any structure of
+            them (tuples, lists, dicts, nested) with non-tensors mixed in.
         *args, **kwargs: its arguments. Non-tensors, ``None`` and tensors that do
             not require grad are fine; parameters used inside ``function`` get
             their gradients either way.
         use_reentrant: ``None`` (default) follows :func:`configure` /
             ``pipeline.use_reentrant``; ``False`` uses
-            ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` (supports
-            ``torch.autograd.grad``, keyword arguments and inputs without grad);
-            ``True`` uses DeepSpeed's reentrant checkpoint, except for calls with
-            no tensor input requiring grad, which would lose parameter gradients
-            there: those use the non-reentrant path, with a one-time
-            :class:`ReentrantFallbackWarning`.
-        debug: non-reentrant only; ``None`` follows ``activation_checkpointing.debug``.
-            ``True`` makes recomputation errors carry torch's op traces.
+            ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``; ``True``
+            uses DeepSpeed's reentrant checkpoint where that is exact (see
+            :mod:`ds_pipe_ckpt.checkpoint`).
+        preserve_rng_state, context_fn, determinism_check, debug, early_stop,
+        respect_saved_tensors_hooks: torch's options, with torch's meaning
+            (``None``: torch's default, or the ``activation_checkpointing``
+            value where one exists: ``debug``, ``early_stop``). With
+            ``use_reentrant=True``, ``context_fn``, ``debug``,
+            ``respect_saved_tensors_hooks`` and ``preserve_rng_state=False``
+            raise :class:`~ds_pipe_ckpt.ConfigError`; ``early_stop`` and
+            ``determinism_check`` are accepted and unused, as in torch.
+            ``preserve_rng_state=False`` also skips the replay of DeepSpeed's
+            model-parallel RNG tracker; ``determinism_check="none"`` also turns
+            off ds_pipe_ckpt's recomputation check.
         verify: non-reentrant only; ``None`` follows
             ``activation_checkpointing.verify_recompute``. ``True`` compares the
             recomputation with the forward op by op and names the first differing
-            op in the :class:`RecomputeMismatchError` (a Python call per op).
+            op in the :class:`~ds_pipe_ckpt.RecomputeMismatchError` (a Python call per op).
 
     Errors: a recomputation that diverges from the forward raises
-    :class:`RecomputeMismatchError` naming ``function``; a function that modifies
-    its tensor inputs in place, or returns no tensor, is refused at forward time.
+    :class:`~ds_pipe_ckpt.RecomputeMismatchError` naming ``function``; a saved
+    input modified in place after the forward raises
+    :class:`~ds_pipe_ckpt.InPlaceInputError`; a function that returns no tensor
+    is refused at forward time. A function that modifies its own input in place
+    is recomputed from a private copy of that input (non-reentrant mode).
 
     RNG: the CPU and accelerator generators and DeepSpeed's model-parallel RNG
     tracker (``deepspeed.checkpointing.get_cuda_rng_tracker()``) are replayed for
     the recomputation, so dropout masks match the forward's exactly.
 
     Returns:
-        what ``function`` returns.
+        what ``function`` returns, in the same structure.
     """
     if not callable(function):
         raise TypeError(f"checkpoint() expects a callable as its first argument, got {type(function).__name__}")
-    return checkpoint_region(function, args, kwargs, region=Region(f"function {_name_of(function)}"),
-                             use_reentrant=use_reentrant, debug=debug, verify=verify)
-
-
-def _resolve_flag(key: str, value: bool | None, configured: bool) -> bool:
-    if value is None:
-        return configured
-    if not isinstance(value, bool):
-        raise ConfigError(key, value, "True, False or None (None follows configure())")
-    return value
-
-
-def checkpoint_region(function: Callable[..., Any], args: tuple, kwargs: dict, *, region: Region,
-                      use_reentrant: bool | None = None, debug: bool | None = None,
-                      verify: bool | None = None) -> Any:
-    """:func:`checkpoint` with an explicit region name (used by PipelineModule)."""
-    config = current_settings().config
-    use_reentrant = _resolve_flag("use_reentrant", use_reentrant, config.use_reentrant)
-    debug = _resolve_flag("debug", debug, config.debug)
-    verify = _resolve_flag("verify", verify, config.verify_recompute)
-    if use_reentrant:
-        for key, value in (("debug", debug), ("verify", verify)):
-            if value:
-                raise ConfigError(key, value, "False with use_reentrant=True",
-                                  f"{key} checks torch's non-reentrant recomputation.")
-        if not torch.is_grad_enabled() or _any_tensor_requires_grad(args, kwargs):
-            return ds_checkpointing.checkpoint(CheckInputsUnmodified(function, region), *args, **kwargs)
-        current_settings().warn_once("reentrant-fallback", _FALLBACK_WARNING.format(name=region.name),
-                                     ReentrantFallbackWarning)
-    return checkpoint_non_reentrant(function, args, kwargs, region=region, debug=debug, verify=verify)
+    settings = current_settings()
+    options = CheckpointOptions.resolve(settings.config, use_reentrant=use_reentrant,
+                                        preserve_rng_state=preserve_rng_state, early_stop=early_stop,
+                                        determinism_check=determinism_check, debug=debug, verify=verify,
+                                        context_fn=context_fn, respect_saved_tensors_hooks=respect_saved_tensors_hooks)
+    region = Region(f"function {describe_callable(function)}", facts=settings.regions.facts_for(function))
+    return checkpoint_region(function, args, kwargs, region, options)

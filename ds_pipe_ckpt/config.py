@@ -9,11 +9,16 @@ Keys read (all optional):
 ``activation_checkpointing``
     DeepSpeed's keys ``partition_activations``, ``contiguous_memory_optimization``,
     ``number_checkpoints``, ``cpu_checkpointing``, ``synchronize_checkpoint_boundary``,
-    ``profile``, plus ours: ``verify_recompute`` (compare each recomputation
-    with its forward op by op, naming the first differing op), ``early_stop``
-    (torch's early stop of recomputation: faster, but a recomputation that takes
-    a longer path can go unseen) and ``debug`` (torch's op-trace debug mode for
-    recomputation errors).
+    ``profile``, plus ours for the non-reentrant mode: ``policy`` (``"full"``,
+    the default, or ``"selective"``: keep the outputs of matmuls, convolutions
+    and attention and recompute the rest, see :mod:`ds_pipe_ckpt.selective`),
+    ``save_ops`` (the ATen ops whose outputs ``"selective"`` keeps, replacing the
+    default set), ``verify_recompute`` (compare each recomputation with its
+    forward op by op, naming the first differing op), ``early_stop`` (torch's
+    early stop of recomputation, default true: a recomputation ends once it has
+    rebuilt every tensor the backward needs; false runs it to the end and
+    requires the ops after that to match too) and ``debug`` (torch's op-trace
+    debug mode for recomputation errors).
 """
 
 from __future__ import annotations
@@ -52,7 +57,11 @@ OVERRIDE_KEYS = {
     "debug": "debug",
     "verify_recompute": "verify_recompute",
     "early_stop": "early_stop",
+    "policy": "policy",
+    "save_ops": "save_ops",
 }
+
+POLICIES = ("full", "selective")
 
 
 def _require_bool(key: str, value: Any) -> bool:
@@ -86,15 +95,18 @@ class CheckpointingConfig:
     synchronize_checkpoint_boundary: bool = False
     profile: bool = False
     verify_recompute: bool = False
-    early_stop: bool = False
+    early_stop: bool = True
     debug: bool = False
+    policy: str = "full"
+    save_ops: tuple[str, ...] | None = None
 
     def __post_init__(self):
         key_of = {f: (f"{PIPELINE}.{f}" if f == "use_reentrant" else f"{SECTION}.{f}")
                   for f in (x.name for x in dataclasses.fields(self))}
         for field in dataclasses.fields(self):
-            if field.name != "number_checkpoints":
+            if field.name not in ("number_checkpoints", "policy", "save_ops"):
                 _require_bool(key_of[field.name], getattr(self, field.name))
+        self._check_policy(key_of)
         n = self.number_checkpoints
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0):
             raise ConfigError(key_of["number_checkpoints"], n, "a positive integer or null")
@@ -103,7 +115,7 @@ class CheckpointingConfig:
                               "false unless partition_activations is true",
                               "Contiguous buffers hold partitioned activations: set "
                               f"{SECTION}.partition_activations to true.")
-        for key in ("debug", "verify_recompute", "early_stop"):
+        for key in ("debug", "verify_recompute"):
             if getattr(self, key) and self.use_reentrant:
                 raise ConfigError(key_of[key], True, "false unless pipeline.use_reentrant is false",
                                   f"{key} checks torch's non-reentrant recomputation; "
@@ -113,6 +125,25 @@ class CheckpointingConfig:
                               "a positive integer when contiguous_memory_optimization is true",
                               "Set it to the number of checkpointed segments per micro-batch "
                               "(the buffers are sized from it).")
+
+    def _check_policy(self, key_of: dict[str, str]) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(key_of["policy"], self.policy, " or ".join(f'"{p}"' for p in POLICIES))
+        if self.policy == "selective" and self.use_reentrant:
+            raise ConfigError(key_of["policy"], self.policy, "\"full\" unless pipeline.use_reentrant is false",
+                              "Selective checkpointing is built on torch's non-reentrant checkpoint; "
+                              "set pipeline.use_reentrant to false to use it.")
+        ops = self.save_ops
+        if ops is None:
+            return
+        if isinstance(ops, str) or not isinstance(ops, (list, tuple)) or not ops:
+            raise ConfigError(key_of["save_ops"], ops, "a non-empty list of ATen op names, e.g. [\"aten.mm\"]")
+        if self.policy != "selective":
+            raise ConfigError(key_of["save_ops"], list(ops), f"null unless {key_of['policy']} is \"selective\"",
+                              "save_ops chooses what selective checkpointing keeps.")
+        from .selective import resolve_ops  # imports torch's checkpoint internals: only when used
+        resolve_ops(ops, key=key_of["save_ops"])
+        object.__setattr__(self, "save_ops", tuple(ops))
 
     @classmethod
     def from_ds_config(cls, param_dict: Mapping[str, Any] | None) -> "CheckpointingConfig":

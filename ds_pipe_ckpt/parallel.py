@@ -32,6 +32,11 @@ class TensorParallelGroup:
     mpu: Any = None
 
     @classmethod
+    def single(cls) -> "TensorParallelGroup":
+        """A group of this rank alone (nothing to partition over)."""
+        return cls(group=None, rank=0, world_size=1)
+
+    @classmethod
     def from_mpu(cls, mpu: Any) -> "TensorParallelGroup":
         if isinstance(mpu, TensorParallelGroup):
             return mpu
@@ -52,4 +57,4 @@ class TensorParallelGroup:
         return self.world_size
 
     def get_data_parallel_rank(self):
-        return self.mpu.get_data_parallel_rank()
+        return 0 if self.mpu is None else self.mpu.get_data_parallel_rank()

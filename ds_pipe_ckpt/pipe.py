@@ -12,9 +12,11 @@ from deepspeed.runtime import utils as ds_utils
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
 from .checkpoint import checkpoint_region
-from .recompute import Region
 from .config import validate_interval
 from .errors import ConfigError
+from .options import CheckpointOptions
+from .regions import Region, RegionFacts
+from .settings import current_settings
 
 __all__ = ["PipelineModule", "LayerSpec", "TiedLayerSpec", "REENTRANT", "NON_REENTRANT", "CUSTOM"]
 
@@ -182,14 +184,26 @@ class PipelineModule(_DSPipelineModule):
 
         return run_layers
 
+    def _segment_facts(self, start: int, end: int) -> RegionFacts:
+        """What segment ``[start, end)`` showed on its first call (see :class:`~ds_pipe_ckpt.regions.RegionFacts`)."""
+        return self.__dict__.setdefault("_facts_by_segment", {}).setdefault((start, end), RegionFacts())
+
+    def _segment_options(self, mode: str) -> CheckpointOptions:
+        """The options of this mode's segments under the settings in force (cached per settings object)."""
+        settings = current_settings()
+        cached = self.__dict__.get("_options_cache")
+        if cached is None or cached[0] is not settings or cached[1] != mode:
+            options = CheckpointOptions.resolve(settings.config, use_reentrant=mode == REENTRANT)
+            cached = self.__dict__["_options_cache"] = (settings, mode, options)
+        return cached[2]
+
     def _checkpoint_segment(self, run: Callable[..., Any], inputs: tuple, start: int, end: int) -> Any:
         mode = self.checkpoint_mode
         if mode == CUSTOM:
             return self.activation_checkpoint_func(run, *inputs)
-        region = Region(self.segment_label(start, end), micro_batch=self.micro_offset)
-        if mode == NON_REENTRANT:
-            return checkpoint_region(run, inputs, {}, region=region, use_reentrant=False)
-        return checkpoint_region(run, inputs, {}, region=region, use_reentrant=True, debug=False, verify=False)
+        region = Region(self.segment_label(start, end), micro_batch=self.micro_offset,
+                        facts=self._segment_facts(start, end))
+        return checkpoint_region(run, inputs, {}, region, self._segment_options(mode))
 
     def forward(self, forward_input: Any) -> Any:
         self.micro_offset += 1

@@ -1,34 +1,42 @@
 """Recompute safety: a checkpointed region whose recomputation diverges from
-its forward fails with an error that names the region, the micro-batch and,
-where known, the op; never with silently different gradients.
+its forward fails with an error that names the region, the micro-batch and
+the first tensor (or, with ``verify_recompute``, the op) that differs; never
+with silently different gradients.
 
-Two levels:
+What decides the gradients of a checkpointed region is the tensors its
+recomputation saves for backward: the backward runs through the forward's own
+autograd graph and only takes those tensors from the recomputation. So that
+is what is checked, always, at the cost of one Python call per saved tensor:
 
-* always on, with no per-op cost: the autograd graph a region builds (the
-  sequence of backward nodes from its outputs back to its inputs, e.g.
-  ``AddmmBackward0, TanhBackward0``) is recorded at the end of its forward and
-  compared with the graph its recomputation builds. Recomputations run to the
-  end (torch's early stop is off), so shorter paths, longer paths and different
-  ops all show up, and the first differing node is named. Any
-  ``CheckpointError`` torch raises while recomputing is re-raised naming the
-  region; a region that modifies its own inputs in place is refused at forward
-  time, and one whose saved input is modified in place later, before its
-  recomputation, is refused then.
+* :class:`SavedTensorProbe` stands in front of torch checkpoint's own
+  saved-tensor hooks, in the forward and in the recomputation, and records
+  for every saved tensor where it comes from (an input of the region, the op
+  behind its autograd node, or no autograd history) with its shape and dtype.
+  torch's early stop stays on: the recomputation ends when it has rebuilt as
+  many tensors as the forward saved, and the sequence it built is compared
+  with the forward's. A recomputation that finishes having saved fewer (a
+  lazily built cache, a shorter path, a fused op that saves less when it
+  recomputes) or saves different ones (another op, another shape) is named.
+  Ops after the last saved tensor do not affect gradients; they are only run,
+  and compared, with ``early_stop`` false.
+* Every ``CheckpointError`` torch raises while the region is recomputed or its
+  saved tensors are unpacked (the count and metadata checks in its unpack
+  hook, "trying to save more tensors") passes through the probe and reaches
+  the user as :class:`~ds_pipe_ckpt.RecomputeMismatchError` naming the region.
 * ``activation_checkpointing.verify_recompute`` (or ``verify=True``): every op
-  (also those that build no backward node) is recorded with its output shapes,
-  dtypes and devices by a ``TorchDispatchMode`` and the recomputation is
-  compared op by op. It costs a Python call per op.
+  (also those that save nothing) is recorded with its output shapes, dtypes
+  and devices by a ``TorchDispatchMode`` and the recomputation is compared op
+  by op (:class:`OpTrace`). A Python call per op; the recomputation then runs
+  to the end.
 
 Neither compares values: an op that returns different numbers with the same
-shapes on recomputation (randomness outside torch's and DeepSpeed's generators)
-cannot be seen without recomputing twice.
+shapes on recomputation (randomness outside torch's and DeepSpeed's
+generators) cannot be seen without keeping what checkpointing exists to free.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -36,96 +44,194 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .errors import InPlaceInputError, RecomputeMismatchError
+from .errors import RecomputeMismatchError
+from .hooks import TransparentHooks, top_hooks
+from .regions import Region
 
-__all__ = ["Region", "RecomputeGuard", "CheckInputsUnmodified", "InputVersionCheck", "graph_signature"]
+__all__ = ["SavedTensorProbe", "OpTrace", "mismatch", "renamed", "require_tensor_output", "STOP_RECOMPUTATION"]
+
+# torch raises this from its recomputation hook to stop a recomputation early
+# (torch >= 2.1); it passes through the region's function on its way out.
+STOP_RECOMPUTATION: type[BaseException] = getattr(torch_checkpoint, "_StopRecomputationError", type(None))
 
 CAUSES = (
     "Usual causes: an op whose saved tensors depend on torch.is_grad_enabled() or on "
-    "requires_grad (fused kernels, e.g. xformers SwiGLU); global state or caches filled on the "
-    "first call (lazy init, memoised masks or rotary tables); data-dependent shapes or control "
-    "flow; randomness that does not come from torch's generators or DeepSpeed's model-parallel "
-    "RNG tracker.")
+    "requires_grad (fused kernels, e.g. xformers SwiGLU); state or caches filled on the "
+    "first call (lazy init, a cached function of a parameter such as w / w.norm(), memoised masks); "
+    "data-dependent shapes or control flow; randomness that does not come from torch's generators "
+    "or DeepSpeed's model-parallel RNG tracker.")
 FIXES = (
     "Fixes: exclude the layer from checkpointing with PipelineModule(checkpointable_layers=[...]) "
-    "(or do not wrap it in checkpoint()); make the op deterministic between calls; to find the "
-    "op, set \"activation_checkpointing\": {\"verify_recompute\": true} (or checkpoint(..., "
-    "verify=True)), and \"debug\": true for torch's op traces with stacks.")
-
-
-@dataclass(frozen=True)
-class Region:
-    """What is checkpointed, for messages: a pipeline segment or a function."""
-
-    name: str
-    micro_batch: int | None = None
-
-    def __str__(self) -> str:
-        where = f" in micro-batch {self.micro_batch}" if self.micro_batch is not None else ""
-        return f"{self.name}{where}"
+    "(or do not wrap it in checkpoint()); compute caches of parameters outside the checkpointed "
+    "region, or on every call; make the op deterministic between calls; to find the op, set "
+    "\"activation_checkpointing\": {\"verify_recompute\": true} (or checkpoint(..., verify=True)), "
+    "and \"debug\": true for torch's op traces with stacks.")
 
 
 def mismatch(region: Region, problem: str) -> RecomputeMismatchError:
+    """The error for a recomputation of ``region`` that diverged as ``problem`` says."""
     return RecomputeMismatchError(
         f"Recomputation of checkpointed {region} diverged from its forward: {problem}\n{CAUSES}\n{FIXES}")
 
 
-@functools.lru_cache(maxsize=None)
-def _saved_attributes(node_type: type) -> tuple[str, ...]:
-    # Nodes expose what they saved as ``_raw_saved_<name>`` (a SavedTensor, None or a
-    # sequence of them; ``_raw_saved_tensors`` for custom Functions). Reading them
-    # does not unpack: no recomputation, no memory.
-    return tuple(name for name in dir(node_type) if name.startswith("_raw_saved_"))
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().split("\n")[0].removeprefix("torch.utils.checkpoint: ")
 
 
-def _saved_count(node: Any) -> int:
-    count = 0
-    for name in _saved_attributes(type(node)):
-        value = getattr(node, name)
-        if isinstance(value, (tuple, list)):
-            count += sum(v is not None for v in value)
-        elif value is not None:
-            count += 1
-    return count
+# The end of the RuntimeError torch's selective checkpointing raises when a
+# recomputation runs an op the forward did not (torch >= 2.5).
+_SELECTIVE_MISMATCH = getattr(torch_checkpoint, "_SAC_MISMATCH_MSG", None)
 
 
-def graph_signature(outputs: Any, inputs: list) -> list[tuple[str, int]]:
-    """(name, number of saved tensors) of each autograd node between ``outputs``
-    and ``inputs``, depth first in ``next_functions`` order (deterministic for the
-    same computation)."""
-    stop = {t.grad_fn for t in inputs if t.grad_fn is not None}
-    stack = [t.grad_fn for t in reversed(tree_leaves(outputs))
-             if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    seen, signature = set(), []
-    while stack:
-        node = stack.pop()
-        if node in seen or node in stop:
-            continue
-        seen.add(node)
-        signature.append((node.name(), _saved_count(node)))
-        stack.extend(n for n, _ in reversed(node.next_functions) if n is not None)
-    return signature
+@contextlib.contextmanager
+def renamed(region: Region) -> Iterator[None]:
+    """Re-raise torch's ``CheckpointError`` (and its selective checkpointing's
+    mismatch error) as a :class:`RecomputeMismatchError` naming ``region``."""
+    try:
+        yield
+    except RecomputeMismatchError:
+        raise
+    except torch_checkpoint.CheckpointError as error:
+        raise mismatch(region, _first_line(error)) from error
+    except RuntimeError as error:
+        if _SELECTIVE_MISMATCH is None or _SELECTIVE_MISMATCH not in str(error):
+            raise
+        raise mismatch(region, f"(selective checkpointing) {_first_line(error)}") from error
 
 
-def _node(signature: list, i: int, path: str) -> str:
-    if i >= len(signature):
-        return f"nothing (a {path} path)"
-    name, saved = signature[i]
-    return f"{name} saving {saved} tensor{'s' if saved != 1 else ''}"
+# -- what a saved tensor is --------------------------------------------------------------
+
+_INPUT = "input"
 
 
-def _first_difference(forward: list, recomputed: list) -> int:
-    for i, (a, b) in enumerate(zip(forward, recomputed)):
-        if a != b:
-            return i
-    return min(len(forward), len(recomputed))
+def _origin(tensor: torch.Tensor, input_ids: frozenset[int]) -> Any:
+    """Where a saved tensor comes from: an input of the region (which one is not
+    recorded: a tensor passed twice arrives as one object in the forward and as
+    two in the recomputation), the class of its autograd node, or whether it
+    requires grad (a leaf: a parameter, a constant, a tensor computed without grad)."""
+    if id(tensor) in input_ids:
+        return _INPUT
+    node = tensor.grad_fn
+    return type(node) if node is not None else tensor.requires_grad
 
+
+def _describe_saved(entry: tuple | None) -> str:
+    if entry is None:
+        return "nothing"
+    origin, shape, dtype = entry
+    if origin == _INPUT:
+        what = "an input of the region"
+    elif origin is True:
+        what = "a leaf that requires grad (e.g. a parameter)"
+    elif origin is False:
+        what = "a tensor without autograd history (a constant, or computed without grad)"
+    else:
+        what = f"the output of the op recorded as {origin.__name__}"
+    return f"{what}, {list(shape)} {str(dtype).removeprefix('torch.')}"
+
+
+class SavedTensorProbe:
+    """Watches the tensors one region saves for backward (see the module docstring).
+
+    :meth:`recording` wraps the region's forward, :meth:`comparing` each
+    recomputation; both push a :class:`~ds_pipe_ckpt.hooks.TransparentHooks`
+    pair on top of the pair torch's checkpoint has just pushed and delegate
+    every save and unpack to it.
+    """
+
+    def __init__(self, region: Region, *, compare: bool = True):
+        self.region = region
+        self.compare = compare  # False (determinism_check="none"): only name torch's own errors
+        self.forward_saved: list[tuple] | None = None
+
+    def _hooks(self, torch_hooks: tuple, inputs: tuple, record: list) -> TransparentHooks:
+        torch_pack, torch_unpack = torch_hooks
+        input_ids = frozenset(id(t) for t in inputs if isinstance(t, torch.Tensor))
+        region = self.region
+
+        def pack(tensor: torch.Tensor) -> Any:
+            record.append((_origin(tensor, input_ids), tensor.shape, tensor.dtype))
+            return torch_pack(tensor)
+
+        def unpack(handle: Any) -> torch.Tensor:
+            # torch recomputes the region inside its unpack hook and checks the
+            # result there, outside the region's function: name the region here.
+            try:
+                return torch_unpack(handle)
+            except RecomputeMismatchError:
+                raise
+            except torch_checkpoint.CheckpointError as error:
+                if isinstance(error.__cause__, RecomputeMismatchError):
+                    # torch's debug mode wrapped ours: keep our message, add its op traces.
+                    raise RecomputeMismatchError(f"{error.__cause__}\n\ntorch's debug report:\n{error}") from error
+                raise mismatch(region, _first_line(error)) from error
+
+        return TransparentHooks(pack, unpack)
+
+    @contextlib.contextmanager
+    def recording(self, inputs: tuple) -> Iterator[None]:
+        """Around the forward: record what it saves."""
+        torch_hooks = top_hooks()
+        if torch_hooks is None:  # not under a checkpoint (grad disabled): nothing is saved
+            yield
+            return
+        saved: list[tuple] = []
+        with self._hooks(torch_hooks, inputs, saved):
+            yield
+        self.forward_saved = saved
+
+    @contextlib.contextmanager
+    def comparing(self, inputs: tuple) -> Iterator[None]:
+        """Around a recomputation: record what it saves and compare with the forward."""
+        torch_hooks = top_hooks()
+        if torch_hooks is None or self.forward_saved is None or not self.compare:
+            yield
+            return
+        saved: list[tuple] = []
+        try:
+            with self._hooks(torch_hooks, inputs, saved):
+                yield
+        except STOP_RECOMPUTATION:
+            # torch stopped it once it had rebuilt as many tensors as the forward saved.
+            self._compare(saved, finished=False)
+            raise
+        except RecomputeMismatchError:
+            raise
+        except torch_checkpoint.CheckpointError as error:  # e.g. more tensors than the forward saved
+            self._compare(saved, finished=False, cause=error)
+            raise mismatch(self.region, _first_line(error)) from error
+        self._compare(saved, finished=True)
+
+    def _compare(self, recomputed: list[tuple], *, finished: bool, cause: BaseException | None = None) -> None:
+        forward = self.forward_saved
+        # Finished: it must have saved exactly what the forward saved (with early
+        # stop on, finishing at all means it saved fewer). Stopped: what it saved
+        # so far must be the forward's first tensors.
+        if recomputed == (forward if finished else forward[:len(recomputed)]):
+            return
+        i = next((i for i, (a, b) in enumerate(zip(forward, recomputed)) if a != b),
+                 min(len(forward), len(recomputed)))
+        if i < len(recomputed) and i < len(forward):
+            problem = (f"saved tensor #{i} differs: the forward saved {_describe_saved(forward[i])}; "
+                       f"the recomputation saved {_describe_saved(recomputed[i])}.")
+        elif i >= len(recomputed):
+            problem = (f"the recomputation finished having saved {len(recomputed)} tensor(s) for backward where "
+                       f"the forward saved {len(forward)} (a shorter path); the first one it did not save: "
+                       f"#{i}, {_describe_saved(forward[i])}.")
+        else:
+            problem = (f"the recomputation saved more tensors than the forward's {len(forward)} (a longer "
+                       f"path); the first extra one: #{i}, {_describe_saved(recomputed[i])}.")
+        error = mismatch(self.region, problem)
+        raise error from cause
+
+
+# -- verify_recompute: op by op ----------------------------------------------------------
 
 def _tensor_meta(out: Any) -> tuple:
     return tuple((tuple(t.shape), t.dtype, t.device) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
 
 
-def _describe(op: tuple | None) -> str:
+def _describe_op(op: tuple | None) -> str:
     if op is None:
         return "nothing"
     name, meta = op
@@ -156,7 +262,7 @@ class OpTrace(TorchDispatchMode):
         if self.position < len(self.recorded):
             raise mismatch(self.region, (
                 f"it ran {self.position} ops where the forward ran {len(self.recorded)} (a shorter path); "
-                f"first op not reproduced: #{self.position} {_describe(self.recorded[self.position])}."))
+                f"first op not reproduced: #{self.position} {_describe_op(self.recorded[self.position])}."))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -170,22 +276,10 @@ class OpTrace(TorchDispatchMode):
         if op != expected:
             extra = " (a longer path)" if expected is None else ""
             raise mismatch(self.region, (
-                f"op #{self.position} differs{extra}: forward ran {_describe(expected)}, "
-                f"recomputation ran {_describe(op)}."))
+                f"op #{self.position} differs{extra}: forward ran {_describe_op(expected)}, "
+                f"recomputation ran {_describe_op(op)}."))
         self.position += 1
         return out
-
-
-def check_inputs_unmodified(inputs: list, versions: list, region: Region) -> None:
-    """Refuse a region that bumped the version counter of one of its inputs."""
-    modified = [i for i, (t, v) in enumerate(zip(inputs, versions)) if t._version != v]
-    if modified:
-        raise InPlaceInputError(
-            f"Checkpointed {region} modified its tensor input(s) {modified} in place during its "
-            "forward; the recomputation would start from the modified values and compute different "
-            "gradients. Make the first op of the region out-of-place (e.g. nn.ReLU(inplace=False)), "
-            "or start the checkpointed region after it (exclude the layer with "
-            "checkpointable_layers, or change activation_checkpoint_interval).")
 
 
 def require_tensor_output(out: Any, region: Region) -> None:
@@ -195,110 +289,3 @@ def require_tensor_output(out: Any, region: Region) -> None:
                         "nothing to recompute and no gradient can flow through it. Call it without "
                         "checkpointing, or return the tensors it computes.")
 
-
-class InputVersionCheck(torch.autograd.graph.saved_tensors_hooks):
-    """Around one torch checkpoint call: the inputs torch saves for the
-    recomputation (only those: inside the region torch's own hooks take over)
-    are kept with their version counters, and the recomputation refuses an input
-    that was modified in place after the forward, naming the region."""
-
-    def __init__(self, region: Region):
-        def pack(tensor: torch.Tensor) -> tuple:
-            return tensor, tensor._version
-
-        def unpack(packed: tuple) -> torch.Tensor:
-            tensor, version = packed
-            if tensor._version != version:
-                raise InPlaceInputError(
-                    f"The input of checkpointed {region} was modified in place after its forward "
-                    f"(version {version} -> {tensor._version}), before it was recomputed; the "
-                    "recomputation would see different values. Typically a later layer changes, in "
-                    "place, a tensor this region received and passed on. Make that op out-of-place "
-                    "(e.g. inplace=False, x = x + y instead of x += y) or clone the tensor first.")
-            return tensor
-
-        super().__init__(pack, unpack)
-
-
-class CheckInputsUnmodified:
-    """Wraps a function for DeepSpeed's reentrant checkpoint: its forward
-    (under no_grad) must not modify the inputs it will be recomputed from."""
-
-    def __init__(self, fn: Callable[..., Any], region: Region):
-        self.fn = fn
-        self.region = region
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-        versions = [t._version for t in inputs]
-        out = self.fn(*args, **kwargs)
-        check_inputs_unmodified(inputs, versions, self.region)
-        require_tensor_output(out, self.region)
-        return out
-
-
-class RecomputeGuard:
-    """Wraps the function handed to torch's checkpoint. The first call is the
-    forward; every later call is a recomputation.
-
-    ``early_stop=False`` (default): the recomputation runs to the end and its
-    autograd graph must equal the forward's. ``early_stop=True``: torch stops the
-    recomputation once every saved tensor is rebuilt, so only a recomputation
-    that *finishes* (it saved fewer tensors: a shorter path) is caught here, plus
-    torch's own checks; a longer path whose first tensors have the right shapes
-    goes unseen. That is the trade ``activation_checkpointing.early_stop`` makes.
-    """
-
-    def __init__(self, fn: Callable[..., Any], region: Region, *, verify: bool, early_stop: bool):
-        self.fn = fn
-        self.region = region
-        self.trace = OpTrace(region) if verify else None
-        self.compare_graphs = not early_stop
-        self.early_stop = early_stop
-        self.forward_done = False
-        self.forward_graph: list = []
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-        if not self.forward_done:
-            self.forward_done = True
-            return self._forward(args, kwargs, inputs)
-        return self._recompute(args, kwargs, inputs)
-
-    def _forward(self, args: tuple, kwargs: dict, inputs: list) -> Any:
-        versions = [t._version for t in inputs]
-        with self.trace if self.trace is not None else contextlib.nullcontext():
-            out = self.fn(*args, **kwargs)
-        require_tensor_output(out, self.region)
-        if not torch.is_grad_enabled():  # torch does not checkpoint then: nothing to recompute
-            return out
-        check_inputs_unmodified(inputs, versions, self.region)
-        if self.compare_graphs:
-            self.forward_graph = graph_signature(out, inputs)
-        return out
-
-    def _recompute(self, args: tuple, kwargs: dict, inputs: list) -> Any:
-        replay = self.trace.replaying() if self.trace is not None else contextlib.nullcontext()
-        try:
-            with replay:
-                out = self.fn(*args, **kwargs)
-        except RecomputeMismatchError:
-            raise
-        except torch_checkpoint.CheckpointError as err:
-            problem = str(err).split("\n")[0].removeprefix("torch.utils.checkpoint: ")
-            raise mismatch(self.region, problem) from err
-        if self.early_stop:
-            # torch stops a recomputation as soon as it has rebuilt every tensor the
-            # forward saved; finishing means it saved fewer.
-            raise mismatch(self.region, "the recomputation finished having saved fewer tensors than the "
-                                        "forward (a shorter path).")
-        if self.compare_graphs:
-            graph = graph_signature(out, inputs)
-            if graph != self.forward_graph:
-                i = _first_difference(self.forward_graph, graph)
-                raise mismatch(self.region, (
-                    f"autograd node #{i} differs: the forward built {_node(self.forward_graph, i, 'longer')}, "
-                    f"the recomputation built {_node(graph, i, 'shorter')} "
-                    f"({len(self.forward_graph)} vs {len(graph)} nodes; "
-                    f"{sum(n for _, n in self.forward_graph)} vs {sum(n for _, n in graph)} saved tensors)."))
-        return out

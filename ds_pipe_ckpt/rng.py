@@ -10,33 +10,26 @@ masks differ from the forward's.
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable
+import contextlib
+from typing import Any, Iterator
 
-__all__ = ["ReplayTrackerStates"]
+__all__ = ["TrackerStates"]
 
 
-class ReplayTrackerStates:
-    """Wrap ``fn`` so that every call after the first runs with the tracker
-    states the first call saw, and leaves the tracker as it found it.
+class TrackerStates:
+    """The tracker's generator states when a region's forward started."""
 
-    The first call is the original forward; later calls are recomputations.
-    """
-
-    def __init__(self, fn: Callable[..., Any], tracker: Any):
-        self.fn = fn
+    def __init__(self, tracker: Any):
         self.tracker = tracker
-        self.forward_states = None
-        functools.update_wrapper(self, fn, updated=())
+        # get_states() copies the dict; fork() replaces entries, never mutates them.
+        self.states = tracker.get_states()
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.forward_states is None:
-            # get_states() copies the dict; fork() replaces entries, never mutates them.
-            self.forward_states = self.tracker.get_states()
-            return self.fn(*args, **kwargs)
-        live_states = self.tracker.get_states()
-        self.tracker.set_states(dict(self.forward_states))
+    @contextlib.contextmanager
+    def replayed(self) -> Iterator[None]:
+        """Run a recomputation with the forward's states; leave the tracker as it was."""
+        live = self.tracker.get_states()
+        self.tracker.set_states(dict(self.states))
         try:
-            return self.fn(*args, **kwargs)
+            yield
         finally:
-            self.tracker.set_states(live_states)
+            self.tracker.set_states(live)

@@ -18,6 +18,7 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_check
 from .config import CheckpointingConfig, load_ds_config
 from .errors import ConfigError
 from .parallel import TensorParallelGroup
+from .regions import RegionRegistry
 
 logger = logging.getLogger("ds_pipe_ckpt")
 
@@ -42,6 +43,8 @@ class CheckpointingSettings:
     model_parallel: TensorParallelGroup | None = None
     # Warnings already issued, so that each is logged once per configuration.
     warned: set = field(default_factory=set)
+    # What the functions given to checkpoint() showed on their first call.
+    regions: RegionRegistry = field(default_factory=RegionRegistry, repr=False, compare=False)
     # State the checkpoints of this configuration share (buffer pool, profile
     # records): a ds_pipe_ckpt.placement.runtime.CheckpointRuntime, created on first use.
     runtime: Any = field(default=None, repr=False, compare=False)
@@ -62,12 +65,18 @@ def current_settings() -> CheckpointingSettings:
     return _Holder.settings
 
 
-def _check_supported(config: CheckpointingConfig, model_parallel: TensorParallelGroup | None) -> None:
-    if config.partition_activations and model_parallel is None:
-        raise ConfigError("activation_checkpointing.partition_activations", True,
-                          "false when no model-parallel group is known",
-                          "Pass mpu= (an object with get_model_parallel_group/rank/world_size, "
-                          "e.g. PipelineModule.mpu()) to configure(), or use ds_pipe_ckpt.initialize().")
+def _model_parallel_group(config: CheckpointingConfig, mpu: Any) -> TensorParallelGroup | None:
+    """The group partitioned activations are split over. Without an ``mpu``,
+    partitioning has a group of one rank (nothing to split), as upstream
+    DeepSpeed trains then too."""
+    if mpu is not None:
+        return TensorParallelGroup.from_mpu(mpu)
+    if config.partition_activations:
+        logger.info("activation_checkpointing.partition_activations is true but no model-parallel unit (mpu) "
+                    "was given: partitioning over a group of one rank, i.e. the inputs are kept whole. Pass "
+                    "mpu= to configure() (ds_pipe_ckpt.initialize passes a PipelineModule's grid).")
+        return TensorParallelGroup.single()
+    return None
 
 
 def _configure_upstream(config: CheckpointingConfig, model_parallel: TensorParallelGroup | None) -> None:
@@ -75,17 +84,21 @@ def _configure_upstream(config: CheckpointingConfig, model_parallel: TensorParal
     reentrant mode delegates to. DeepSpeed's configure() needs torch.distributed;
     the non-reentrant mode does not use DeepSpeed's copy of these options."""
     if not ds_comm.is_initialized():
-        needs_dist = [k for k in _UPSTREAM_OPTIONS if getattr(config, k)]
+        needs_dist = [k for k in _UPSTREAM_OPTIONS if getattr(config, k)
+                      and not (k == "partition_activations" and model_parallel.world_size == 1)]
         if needs_dist and config.use_reentrant:
             raise ConfigError(f"activation_checkpointing.{needs_dist[0]}", True,
                               "false before torch.distributed is initialized in the reentrant mode",
                               "Call deepspeed.init_distributed() first (the reentrant mode delegates this "
                               "option to DeepSpeed), or set pipeline.use_reentrant to false.")
         return
+    # Over a group of one there is nothing to partition; DeepSpeed would still
+    # copy every input (and gather over its default group).
+    partition = config.partition_activations and model_parallel.world_size > 1
     ds_checkpointing.configure(
         model_parallel,
-        partition_activations=config.partition_activations,
-        contiguous_checkpointing=config.contiguous_memory_optimization,
+        partition_activations=partition,
+        contiguous_checkpointing=config.contiguous_memory_optimization and partition,
         num_checkpoints=config.number_checkpoints,
         checkpoint_in_cpu=config.cpu_checkpointing,
         synchronize=config.synchronize_checkpoint_boundary,
@@ -93,32 +106,52 @@ def _configure_upstream(config: CheckpointingConfig, model_parallel: TensorParal
     )
 
 
-def configure(mpu: Any = None, deepspeed_config: Any = None, **overrides: Any) -> CheckpointingSettings:
-    """Configure activation checkpointing: drop-in for ``deepspeed.checkpointing.configure``.
+def configure(mpu_: Any = None,
+              deepspeed_config: Any = None,
+              partition_activations: bool | None = None,
+              contiguous_checkpointing: bool | None = None,
+              num_checkpoints: int | None = None,
+              checkpoint_in_cpu: bool | None = None,
+              synchronize: bool | None = None,
+              profile: bool | None = None,
+              *,
+              mpu: Any = None,
+              **overrides: Any) -> CheckpointingSettings:
+    """Configure activation checkpointing: drop-in for ``deepspeed.checkpointing.configure``
+    (the same arguments, names and positional order).
 
     Each call starts from the defaults, then applies ``deepspeed_config``, then
-    ``overrides``. The result is one settings object (returned), not module globals.
+    the keyword values. The result is one settings object (returned), not
+    module globals.
 
     Args:
-        mpu: model-parallel unit (``get_model_parallel_group/rank/world_size``;
-            a pipeline's ``PipelineModule.mpu()`` grid works). Needed for
-            ``partition_activations``.
+        mpu_: model-parallel unit (``get_model_parallel_group/rank/world_size``,
+            or the tensor-parallel variants; a pipeline's ``PipelineModule.mpu()``
+            grid works): the group ``partition_activations`` splits over. Without
+            one, partitioning has a group of one rank (a one-time log note).
+            ``mpu=`` is accepted as well.
         deepspeed_config: a DeepSpeed config dict, JSON path or base64 string; its
             ``pipeline.use_reentrant`` and ``activation_checkpointing`` sections are read.
-        **overrides: DeepSpeed's keywords ``partition_activations``,
-            ``contiguous_checkpointing``, ``num_checkpoints``, ``checkpoint_in_cpu``,
-            ``synchronize``, ``profile``, plus ``use_reentrant`` and ``debug``.
-            ``None`` leaves a value unchanged.
+        partition_activations, contiguous_checkpointing, num_checkpoints,
+        checkpoint_in_cpu, synchronize, profile: DeepSpeed's overrides of the
+            ``activation_checkpointing`` keys; ``None`` leaves a value as configured.
+        **overrides: ours: ``use_reentrant``, ``debug``, ``verify_recompute``,
+            ``early_stop``, ``policy``, ``save_ops`` (``None``: as configured).
 
     Raises:
         ConfigError: a value of the wrong type or range, an unknown
-            ``activation_checkpointing`` key, partitioning without ``mpu``.
-        TypeError: an unknown keyword.
+            ``activation_checkpointing`` key, an ``mpu`` without model-parallel methods.
+        TypeError: an unknown keyword, or ``mpu_`` and ``mpu`` both given.
     """
+    if mpu_ is not None and mpu is not None and mpu_ is not mpu:
+        raise TypeError("configure() got two model-parallel units: pass either mpu_ (DeepSpeed's name) or mpu")
+    mpu = mpu_ if mpu_ is not None else mpu
     config = CheckpointingConfig.from_ds_config(load_ds_config(deepspeed_config))
-    config = config.with_overrides(**overrides)
-    model_parallel = None if mpu is None else TensorParallelGroup.from_mpu(mpu)
-    _check_supported(config, model_parallel)
+    config = config.with_overrides(partition_activations=partition_activations,
+                                   contiguous_checkpointing=contiguous_checkpointing,
+                                   num_checkpoints=num_checkpoints, checkpoint_in_cpu=checkpoint_in_cpu,
+                                   synchronize=synchronize, profile=profile, **overrides)
+    model_parallel = _model_parallel_group(config, mpu)
     _configure_upstream(config, model_parallel)
     settings = CheckpointingSettings(config=config, model_parallel=model_parallel)
     _Holder.settings = settings

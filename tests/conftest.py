@@ -27,3 +27,17 @@ def single_rank_process_group():
                            "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     yield
+
+
+@pytest.fixture
+def model_parallel_tracker():
+    """DeepSpeed's model-parallel RNG tracker with one seeded stream, restored afterwards."""
+    from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
+
+    tracker = ds_checkpointing.get_cuda_rng_tracker()
+    saved = tracker.get_states(), set(tracker.seeds_)
+    tracker.reset()
+    tracker.add("model-parallel-rng", 4321)
+    yield tracker
+    tracker.set_states(saved[0])
+    tracker.seeds_ = saved[1]

@@ -1,12 +1,13 @@
-"""Where the inputs a checkpointed segment saves for its recomputation live:
+"""Where the inputs a checkpointed region saves for its recomputation live:
 partitioned across the model-parallel group and/or offloaded to host memory,
 in pooled buffers, with optional boundary synchronisation and profiling.
 
-Implemented with ``torch.autograd.graph.saved_tensors_hooks`` around torch's
-non-reentrant checkpoint: torch packs a segment's inputs through these hooks
-(and only those; the tensors saved inside the segment go to torch's own hooks)
-into a :class:`~ds_pipe_ckpt.placement.stash.SegmentStash`, which shards/offloads them
-all at once when the forward ends and gathers them with one collective when
+torch's non-reentrant checkpoint saves a region's inputs through the
+saved-tensor hooks of :class:`ds_pipe_ckpt.inputs.SavedInputs` (and only
+those; the tensors saved inside the region go to torch's own hooks), which
+hands them, when the forward has ended, to the region's
+:class:`RegionPlacement`: a :class:`~ds_pipe_ckpt.placement.stash.SegmentStash`
+shards/offloads them all at once and gathers them with one collective when
 the recomputation starts.
 
 The state these need across checkpoints (the buffer pool, the profiler's
@@ -17,8 +18,8 @@ records) lives in a :class:`CheckpointRuntime` attached to the
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable
+import contextlib
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,7 @@ from .profiling import CheckpointProfiler, CheckpointRecord
 from ..settings import current_settings
 from .stash import SegmentStash
 
-__all__ = ["saved_input_hooks", "reset", "profile_records", "CheckpointRuntime"]
+__all__ = ["placement_for", "RegionPlacement", "reset", "profile_records", "CheckpointRuntime"]
 
 
 class CheckpointRuntime:
@@ -44,11 +45,9 @@ class CheckpointRuntime:
         self.partitioned = config.partition_activations
         self.group = None
         self.rank, self.world_size = 0, 1
-        if self.partitioned:
-            if model_parallel is None:
-                raise ConfigError("activation_checkpointing.partition_activations", True,
-                                  "false when no model-parallel group is known",
-                                  "Pass mpu= to ds_pipe_ckpt.configure().")
+        # Without a model-parallel group there is one rank to partition over
+        # (configure() notes it once).
+        if self.partitioned and model_parallel is not None:
             self.group, self.rank, self.world_size = (model_parallel.group, model_parallel.rank,
                                                       model_parallel.world_size)
             if self.world_size > 1:
@@ -96,119 +95,76 @@ def _runtime_for(config: CheckpointingConfig, model_parallel: TensorParallelGrou
     return CheckpointRuntime(config, model_parallel)
 
 
-class _Recomputation:
-    """``fn`` for torch's checkpoint: the first call is the forward, later calls are
-    recomputations, which are synchronised and timed as configured."""
+class RegionPlacement:
+    """Where one checkpointed region's saved inputs go, and the synchronisation
+    and timing around its forward and recomputation.
 
-    def __init__(self, fn: Callable[..., Any], hooks: "_SegmentHooks"):
-        functools.update_wrapper(self, fn, updated=())
-        self._fn = fn
-        self._hooks = hooks
-        self._calls = 0
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self._calls += 1
-        if self._calls == 1:
-            return self._fn(*args, **kwargs)
-        runtime, record = self._hooks.runtime, self._hooks.record
-        profiler = runtime.profiler
-        runtime.synchronize_boundary()
-        started = profiler.start() if profiler is not None else None
-        try:
-            return self._fn(*args, **kwargs)  # torch may stop it early by raising: still timed
-        finally:
-            runtime.synchronize_boundary()
-            if started is not None:
-                record.recompute_s = profiler.stop(started)
-                profiler.log(record, "recompute")
-
-
-class _SegmentHooks:
-    """The context manager around one ``torch.utils.checkpoint`` call."""
+    :class:`ds_pipe_ckpt.inputs.SavedInputs` calls :meth:`begin_forward` before
+    the region runs, :meth:`store` with the inputs to keep when its forward has
+    ended (when :attr:`holds_inputs`), :meth:`end_forward`, and :meth:`unpack`
+    for each input the recomputation needs; :class:`ds_pipe_ckpt.region_call.RegionCall`
+    runs each recomputation inside :meth:`recomputing`.
+    """
 
     def __init__(self, runtime: CheckpointRuntime):
         self.runtime = runtime
         runtime.checkpoints += 1
         self.index = runtime.checkpoints
         self.record: CheckpointRecord | None = None
-        self.stash: SegmentStash | None = None
-        self._saved_tensors_hooks = None
+        self._stash: SegmentStash | None = None
         self._started: float | None = None
 
     @property
     def holds_inputs(self) -> bool:
-        """Whether the saved inputs are packed by these hooks (copied when the forward ends)."""
-        return self.stash is not None
+        """Whether the inputs are copied into this placement when the forward ends."""
+        return self.runtime.places_inputs
 
-    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """Wrap the checkpointed function so that recomputations are synchronised and timed."""
-        if self.record is not None:
-            self.record.label = _name_of(fn)
-        return _Recomputation(fn, self)
-
-    def __enter__(self) -> "_SegmentHooks":
+    def begin_forward(self, label: str) -> None:
         runtime = self.runtime
         if runtime.profiler is not None:
-            self.record = runtime.profiler.new_record(self.index, "")
+            self.record = runtime.profiler.new_record(self.index, label)
             self._started = runtime.profiler.start()
         runtime.synchronize_boundary()
-        if runtime.places_inputs:
-            self.stash = SegmentStash(runtime, self.record)
-            self._saved_tensors_hooks = torch.autograd.graph.saved_tensors_hooks(self.stash.pack, self.stash.unpack)
-            self._saved_tensors_hooks.__enter__()
-        return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def store(self, tensors: list[torch.Tensor]) -> list[int]:
+        """Keep ``tensors`` as configured; return the index each is unpacked by."""
+        self._stash = SegmentStash(self.runtime, self.record)
+        indices = [self._stash.pack(tensor) for tensor in tensors]
+        self._stash.seal()
+        return indices
+
+    def end_forward(self) -> None:
         runtime = self.runtime
-        if self._saved_tensors_hooks is not None:
-            self._saved_tensors_hooks.__exit__(exc_type, exc, tb)
-            self._saved_tensors_hooks = None
-            if exc_type is None:
-                self.stash.seal()
         runtime.synchronize_boundary()
-        if self._started is not None and exc_type is None:
+        if self._started is not None:
             self.record.forward_s = runtime.profiler.stop(self._started)
             runtime.profiler.log(self.record, "forward")
 
+    def unpack(self, index: int) -> torch.Tensor:
+        return self._stash.unpack(index)
 
-class _Inactive:
-    """Stands in for :class:`_SegmentHooks` when no option needs anything."""
-
-    holds_inputs = False
-
-    def __enter__(self) -> "_Inactive":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        return None
-
-    @staticmethod
-    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        return fn
-
-
-_INACTIVE = _Inactive()
-
-
-def _name_of(fn: Callable[..., Any]) -> str:
-    region = getattr(fn, "region", None)  # ds_pipe_ckpt.recompute.RecomputeGuard names its region
-    if region is not None:
-        return str(region)
-    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    @contextlib.contextmanager
+    def recomputing(self) -> Iterator[None]:
+        """Around one recomputation: synchronised and timed as configured."""
+        runtime = self.runtime
+        profiler = runtime.profiler
+        runtime.synchronize_boundary()
+        started = profiler.start() if profiler is not None else None
+        try:
+            yield  # torch may stop it early by raising: still timed
+        finally:
+            runtime.synchronize_boundary()
+            if started is not None:
+                self.record.recompute_s = profiler.stop(started)
+                profiler.log(self.record, "recompute")
 
 
-def saved_input_hooks(config: CheckpointingConfig, model_parallel: TensorParallelGroup | None):
-    """A context manager to wrap one ``torch.utils.checkpoint`` call in.
-
-    Entering it returns an object whose ``wrap(fn)`` wraps the checkpointed
-    function so that its recomputation is synchronised and timed too
-    (``synchronize_checkpoint_boundary``, ``profile``); without the wrap the
-    forward and the gather are still covered.
-    """
+def placement_for(config: CheckpointingConfig, model_parallel: TensorParallelGroup | None) -> RegionPlacement | None:
+    """A placement for one checkpoint call, or None when no
+    ``activation_checkpointing`` option needs one (inputs are then kept by
+    reference, nothing is synchronised or timed)."""
     runtime = _runtime_for(config, model_parallel)
-    if not runtime.active:
-        return _INACTIVE
-    return _SegmentHooks(runtime)
+    return RegionPlacement(runtime) if runtime.active else None
 
 
 def reset() -> None:

@@ -4,9 +4,10 @@ in host memory, in pooled buffers.
 
 Life of a :class:`SegmentStash`:
 
-1. ``pack`` (torch's saved-tensor pack hook, called for each tensor input of
-   the checkpoint before the forward runs): remember the tensor, return an index.
-2. ``seal`` (after the forward): the floating-point inputs are packed into one
+1. ``pack`` (for each input the region's recomputation will start from, as
+   :class:`ds_pipe_ckpt.inputs.SavedInputs` hands them over when the forward
+   has ended): remember the tensor, return an index.
+2. ``seal`` (right after): the floating-point inputs are packed into one
    byte buffer (:class:`~ds_pipe_ckpt.placement.pack.PackLayout`) of which this rank keeps
    its shard, on the device or in host memory; the references to the full
    tensors are dropped, so their memory is freed unless something else holds
@@ -54,7 +55,6 @@ class SegmentStash:
         # Before seal(): the tensors torch handed to pack(), deduplicated.
         self._tensors: list[torch.Tensor] = []
         self._index_of: dict[int, int] = {}
-        self._versions: list[int] = []
         self._handles = 0  # pack() calls: the unpack() calls of one full round
         self._sealed = False
         # After seal().
@@ -72,16 +72,15 @@ class SegmentStash:
     # -- forward --------------------------------------------------------------------
 
     def pack(self, tensor: torch.Tensor) -> int:
-        """Saved-tensor pack hook: remember ``tensor``; return its index."""
+        """Remember ``tensor``; return its index."""
         if self._sealed:
-            raise RuntimeError("ds_pipe_ckpt: a tensor was saved into a checkpoint's input stash after "
-                               "its forward ended; this is a bug, please report it")
+            raise RuntimeError("ds_pipe_ckpt: a tensor was added to a checkpoint's input stash after it "
+                               "was sealed; this is a bug, please report it")
         index = self._index_of.get(id(tensor))
         if index is None:
             index = len(self._tensors)
             self._index_of[id(tensor)] = index
             self._tensors.append(tensor)
-            self._versions.append(tensor._version)
         self._handles += 1
         return index
 
@@ -89,13 +88,6 @@ class SegmentStash:
         """Store the saved inputs as configured and drop the references to the full tensors."""
         self._sealed = True
         tensors, self._tensors, self._index_of = self._tensors, [], {}
-        for index, (tensor, version) in enumerate(zip(tensors, self._versions)):
-            if tensor._version != version:
-                raise CheckpointError(
-                    f"ds_pipe_ckpt: input {index} of a checkpointed segment (shape {tuple(tensor.shape)}, "
-                    f"{tensor.dtype}) was modified in place during the segment's forward; the recomputation "
-                    "would not see the value the forward started from. Clone the input before modifying it "
-                    "in place, or use an out-of-place operation.")
         self._device = self._primary_device(tensors)
         packed = [i for i, t in enumerate(tensors) if self._should_pack(t)]
         self._whole = {i: t.detach() for i, t in enumerate(tensors) if i not in packed}

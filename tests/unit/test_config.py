@@ -3,6 +3,7 @@ and what is allowed; configure() semantics; initialize() signature."""
 
 import inspect
 import json
+import logging
 
 import deepspeed
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 import ds_pipe_ckpt
 from ds_pipe_ckpt import CheckpointingConfig, ConfigError
+from ds_pipe_ckpt.parallel import TensorParallelGroup
 
 
 @pytest.mark.parametrize("value", ["false", "False", 0, 1, [False]])
@@ -92,9 +94,55 @@ def test_configure_rejects_bad_override_values():
         ds_pipe_ckpt.configure(use_reentrant="false")
 
 
-def test_partitioning_needs_a_model_parallel_group():
-    with pytest.raises(ConfigError, match="partition_activations = True.*Pass mpu="):
-        ds_pipe_ckpt.configure(partition_activations=True)
+def test_partitioning_without_a_model_parallel_group_is_a_group_of_one(caplog):
+    """Upstream trains with partition_activations and no mpu: so do we, over one rank."""
+    with caplog.at_level(logging.INFO, logger="ds_pipe_ckpt"):
+        settings = ds_pipe_ckpt.configure(use_reentrant=False, partition_activations=True)
+    assert settings.model_parallel.world_size == 1 and settings.config.partition_activations
+    assert sum("no model-parallel unit (mpu) was given" in m for m in caplog.messages) == 1
+    torch.manual_seed(0)
+    lin, x = torch.nn.Linear(3, 3), torch.randn(2, 3, requires_grad=True)
+    ds_pipe_ckpt.checkpoint(lin, x).sum().backward()
+    expected = torch.autograd.grad(lin(x).sum(), [x, *lin.parameters()])
+    got = [x.grad, *(p.grad for p in lin.parameters())]
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_configure_has_deepspeeds_signature():
+    """Upstream's argument names and positional order, mpu_ included."""
+    ours = list(inspect.signature(ds_pipe_ckpt.configure).parameters.values())
+    upstream = list(inspect.signature(deepspeed.checkpointing.configure).parameters.values())
+    assert [(p.name, p.kind) for p in ours[:len(upstream)]] == [(p.name, p.kind) for p in upstream]
+    assert all(p.default is None for p in ours[1:len(upstream)])
+
+
+def test_configure_accepts_lightnings_call():
+    """Lightning's DeepSpeedStrategy configures activation checkpointing with exactly
+    this call (mpu_=None, values from the config's section, None when absent)."""
+    section = {"partition_activations": True, "cpu_checkpointing": False}
+    settings = ds_pipe_ckpt.configure(mpu_=None, partition_activations=section.get("partition_activations"),
+                                      contiguous_checkpointing=section.get("contiguous_memory_optimization"),
+                                      checkpoint_in_cpu=section.get("cpu_checkpointing"),
+                                      profile=section.get("profile"))
+    assert settings.config.partition_activations and settings.model_parallel.world_size == 1
+    lin = torch.nn.Linear(2, 2)
+    with pytest.warns(ds_pipe_ckpt.ReentrantFallbackWarning):  # a batch without grad, as in seed 000
+        for _ in range(2):
+            ds_pipe_ckpt.checkpoint(lin, torch.randn(3, 2)).sum().backward()
+    assert lin.weight.grad is not None
+
+
+def test_configure_accepts_upstream_calls():
+    """(Non-reentrant, so that no process group is needed for the offload option.)"""
+    mpu = TensorParallelGroup.single()
+    non_reentrant = {"pipeline": {"use_reentrant": False}}
+    settings = ds_pipe_ckpt.configure(mpu_=mpu, deepspeed_config=non_reentrant, checkpoint_in_cpu=True)
+    assert settings.model_parallel is mpu and settings.config.cpu_checkpointing and not settings.config.use_reentrant
+    settings = ds_pipe_ckpt.configure(mpu, non_reentrant, True, None, None, True, None, None)  # positionally
+    assert settings.config.partition_activations and settings.config.cpu_checkpointing
+    assert ds_pipe_ckpt.configure(mpu=mpu).model_parallel is mpu  # our keyword, still accepted
+    with pytest.raises(TypeError, match="two model-parallel units"):
+        ds_pipe_ckpt.configure(mpu_=mpu, mpu=TensorParallelGroup.single())
 
 
 def test_bad_mpu_is_named():

@@ -237,25 +237,12 @@ def test_profile_records_and_logs_each_phase(caplog, block):
     assert [p.rsplit("(", 1)[1] for p in phases] == ["forward done)", "gather done)", "recompute done)"]
 
 
-def test_hooks_without_the_wrap_still_time_forward_and_gather(block):
-    """saved_input_hooks() used around a bare torch checkpoint call."""
-    configure(checkpoint_in_cpu=True, profile=True)
-    settings = ds_pipe_ckpt.current_settings()
-    with partition.saved_input_hooks(settings.config, settings.model_parallel):
-        out = torch_checkpoint.checkpoint(block, torch.randn(2, 6) * 1.0, use_reentrant=False)
-    out.sum().backward()
-    record = partition.profile_records()[-1]
-    assert record.forward_s is not None and record.gather_s is not None and record.recompute_s is None
-
-
 @pytest.mark.parametrize("options", [{}, {"partition_activations": True}], ids=["nothing", "partition_over_one_rank"])
-def test_no_hooks_when_nothing_needs_them(options):
+def test_no_placement_when_nothing_needs_it(options):
     """Partitioning over a group of one rank would only copy the inputs: it is a no-op."""
     configure(**options)
     settings = ds_pipe_ckpt.current_settings()
-    hooks = partition.saved_input_hooks(settings.config, settings.model_parallel)
-    with hooks as entered:
-        assert entered.wrap(len) is len
+    assert partition.placement_for(settings.config, settings.model_parallel) is None
     assert partition.profile_records() == []
 
 

@@ -25,7 +25,7 @@ def fail_on_rank_one() -> None:
 
 def sleep_on_rank_zero() -> None:
     if dist.get_rank() == 0:
-        time.sleep(60)
+        time.sleep(120)
 
 
 def test_results_come_back_in_rank_order_with_tensors():
@@ -41,6 +41,6 @@ def test_a_rank_that_raises_is_named_with_its_traceback():
 
 def test_a_rank_that_hangs_is_named_after_the_timeout():
     start = time.monotonic()
-    with pytest.raises(RankFailure, match=r"timed out after 10 s; rank\(s\) \[0\] did not finish"):
-        run_ranks(sleep_on_rank_zero, 2, timeout=10)
-    assert time.monotonic() - start < 30
+    with pytest.raises(RankFailure, match=r"timed out after 25 s; rank\(s\) \[0\] did not finish"):
+        run_ranks(sleep_on_rank_zero, 2, timeout=25)
+    assert time.monotonic() - start < 50

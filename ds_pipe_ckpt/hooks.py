@@ -1,0 +1,54 @@
+"""Saved-tensor hooks that stay out of the way of torch's checkpoint.
+
+ds_pipe_ckpt puts two kinds of ``torch.autograd.graph.saved_tensors_hooks``
+around or inside torch's non-reentrant checkpoint: one that holds a region's
+inputs (:mod:`ds_pipe_ckpt.inputs`) and one that watches what the region saves
+(:mod:`ds_pipe_ckpt.recompute`). Neither is a *user's* hook. torch's
+selective checkpointing looks for the user's hooks (to route the tensors it
+caches through them, e.g. ``save_on_cpu``) by walking past its own internal
+hooks; it recognises them by a ``_checkpoint_internal`` mark on the pack
+function and follows the ``_user_hooks`` each records while on the stack.
+:class:`TransparentHooks` carries the same mark, so selective checkpointing
+sees through ours to the hooks the user really installed (and warns, or not,
+exactly as it would without ds_pipe_ckpt).
+
+On a torch without that protocol (before 2.14) these are plain
+``saved_tensors_hooks``; selective checkpointing there ignores every hook.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+
+__all__ = ["TransparentHooks", "top_hooks"]
+
+# The base that records ``_user_hooks`` while on the stack (torch >= 2.14).
+_Base = getattr(torch_checkpoint, "_checkpoint_internal_hook", torch.autograd.graph.saved_tensors_hooks)
+
+
+class TransparentHooks(_Base):
+    """``saved_tensors_hooks(pack, unpack)`` that torch's checkpoint treats as its own.
+
+    ``pack`` must be a function object (a closure or a plain function, not a
+    bound method): the mark is set as an attribute on it.
+    """
+
+    def __init__(self, pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]):
+        pack._checkpoint_internal = True
+        super().__init__(pack, unpack)
+
+
+def top_hooks() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None:
+    """The (pack, unpack) pair that a tensor saved right now would go through,
+    if it is one of torch checkpoint's internal pairs; otherwise None (no
+    checkpoint is running here, or this torch cannot tell)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return None
+    hooks = top(False)
+    if hooks is None or not getattr(hooks[0], "_checkpoint_internal", False):
+        return None
+    return hooks

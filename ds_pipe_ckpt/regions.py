@@ -1,0 +1,152 @@
+"""What a checkpointed region is: its name in messages, and what was learned
+about it on its first call.
+
+A region is a pipeline segment (named by its layers) or the function given to
+:func:`ds_pipe_ckpt.checkpoint` (named by what the user wrote: a module by its
+class, a bound method or a ``functools.partial`` of one by
+``Class.method``). Facts learned on a region's first call (:class:`RegionFacts`:
+whether its forward modifies an input in place) are kept per region so that
+later calls act on them: a pipeline module keeps them per segment, and
+:class:`RegionRegistry` keeps them for functions, keyed by what the function
+*is* (the same module, the same method of the same object, the same code with
+the same captured objects) rather than by the callable object, which callers
+such as transformers create anew on every call.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable
+
+import torch.nn as nn
+
+__all__ = ["Region", "RegionFacts", "RegionRegistry", "describe_callable", "region_key"]
+
+
+@dataclass
+class RegionFacts:
+    """What a region's first call showed.
+
+    ``mutated_inputs`` is ``None`` until a call has been checkpointed (with grad
+    enabled), then the positions of the tensor inputs that the region's forward
+    modified in place (empty when it modifies none).
+    """
+
+    mutated_inputs: frozenset[int] | None = None
+
+    @property
+    def learned(self) -> bool:
+        return self.mutated_inputs is not None
+
+    @property
+    def mutates_inputs(self) -> bool:
+        return bool(self.mutated_inputs)
+
+
+@dataclass(frozen=True)
+class Region:
+    """A checkpointed region, for messages and for what is learned about it."""
+
+    name: str
+    micro_batch: int | None = None
+    facts: RegionFacts = field(default_factory=RegionFacts, compare=False, repr=False)
+
+    def __str__(self) -> str:
+        where = f" in micro-batch {self.micro_batch}" if self.micro_batch is not None else ""
+        return f"{self.name}{where}"
+
+
+def _is_method_of(function: Any, obj: Any) -> bool:
+    """Whether ``function`` is a method defined on ``obj``'s class (or a base),
+    possibly under a ``functools.wraps`` wrapper (transformers wraps ``forward``)."""
+    name = getattr(function, "__name__", None)
+    if name is None:
+        return False
+    for cls in type(obj).__mro__:
+        attribute = vars(cls).get(name)
+        while attribute is not None:
+            if attribute is function:
+                return True
+            attribute = getattr(attribute, "__wrapped__", None)
+    return False
+
+
+def _unwrap(function: Any) -> tuple[Any, Any]:
+    """``(function, instance)``: the function that partials and bound methods
+    end up calling, and the object it is a method of, if any
+    (``partial(Block.forward, block, **kw)`` and ``block.forward`` both give
+    ``(Block.forward, block)``)."""
+    instance = None
+    while True:
+        if isinstance(function, functools.partial):
+            if instance is None and function.args and _is_method_of(function.func, function.args[0]):
+                instance = function.args[0]
+            function = function.func
+        elif hasattr(function, "__func__") and hasattr(function, "__self__"):  # a bound method
+            if instance is None:
+                instance = function.__self__
+            function = function.__func__
+        else:
+            return function, instance
+
+
+def describe_callable(function: Callable[..., Any]) -> str:
+    """The name a user recognises: ``GPT2Block.forward`` for a bound method or a
+    ``functools.partial(GPT2Block.forward, block, **kw)``; the class for a module
+    (``Linear``) or another callable object; the qualified name for a function."""
+    target, _ = _unwrap(function)
+    if isinstance(target, nn.Module) or not (hasattr(target, "__qualname__") or hasattr(target, "__name__")):
+        return type(target).__name__
+    return getattr(target, "__qualname__", None) or target.__name__
+
+
+def region_key(function: Callable[..., Any]) -> Hashable:
+    """A key that is the same on every call of the same region.
+
+    A module: the module. A bound method or a partial of a method: the function
+    and the object. A plain function: its code and the identities of the objects
+    its closure captured, so that ``lambda x: layer(x)`` created anew on each
+    call is recognised as long as ``layer`` is the same object.
+    """
+    target, instance = _unwrap(function)
+    code = getattr(target, "__code__", None)
+    if code is not None:
+        cells = getattr(target, "__closure__", None) or ()
+        captured = []
+        for cell in cells:
+            try:
+                captured.append(id(cell.cell_contents))
+            except ValueError:  # an empty cell
+                captured.append(None)
+        return ("function", code, tuple(captured), id(instance) if instance is not None else None)
+    return ("object", id(target), id(instance) if instance is not None else None)
+
+
+class RegionRegistry:
+    """Facts about the functions checkpointed under one configuration.
+
+    Bounded (least recently used first out) because keys hold object identities,
+    which Python reuses after an object is freed: a stale entry can only make a
+    region skip learning, and every fact is re-checked on every call (a region
+    that modifies an input it was not known to modify fails loudly).
+    """
+
+    def __init__(self, capacity: int = 4096):
+        self._capacity = capacity
+        self._facts: collections.OrderedDict[Hashable, RegionFacts] = collections.OrderedDict()
+
+    def facts_for(self, function: Callable[..., Any]) -> RegionFacts:
+        key = region_key(function)
+        facts = self._facts.get(key)
+        if facts is None:
+            facts = self._facts[key] = RegionFacts()
+            if len(self._facts) > self._capacity:
+                self._facts.popitem(last=False)
+        else:
+            self._facts.move_to_end(key)
+        return facts
+
+    def __len__(self) -> int:
+        return len(self._facts)
