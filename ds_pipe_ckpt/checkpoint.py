@@ -38,7 +38,7 @@ from .options import CheckpointOptions
 from .placement.runtime import placement_for
 from .reentrant import reentrant_checkpoint
 from .region_call import RegionCall
-from .regions import Region, describe_callable
+from .regions import Region
 from .selective import default_ops, resolve_ops, selective_context_fn
 from .settings import CheckpointingSettings, current_settings
 from .errors import ReentrantFallbackWarning
@@ -171,9 +171,9 @@ def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool | N
     if not callable(function):
         raise TypeError(f"checkpoint() expects a callable as its first argument, got {type(function).__name__}")
     settings = current_settings()
-    options = CheckpointOptions.resolve(settings.config, use_reentrant=use_reentrant,
-                                        preserve_rng_state=preserve_rng_state, early_stop=early_stop,
-                                        determinism_check=determinism_check, debug=debug, verify=verify,
-                                        context_fn=context_fn, respect_saved_tensors_hooks=respect_saved_tensors_hooks)
-    region = Region(f"function {describe_callable(function)}", facts=settings.regions.facts_for(function))
+    options = settings.options(use_reentrant=use_reentrant, preserve_rng_state=preserve_rng_state,
+                               early_stop=early_stop, determinism_check=determinism_check, debug=debug,
+                               verify=verify, context_fn=context_fn,
+                               respect_saved_tensors_hooks=respect_saved_tensors_hooks)
+    region = Region(function, facts=settings.regions.facts_for(function))
     return checkpoint_region(function, args, kwargs, region, options)

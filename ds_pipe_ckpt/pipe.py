@@ -14,7 +14,6 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_check
 from .checkpoint import checkpoint_region
 from .config import validate_interval
 from .errors import ConfigError
-from .options import CheckpointOptions
 from .regions import Region, RegionFacts
 from .settings import current_settings
 
@@ -188,22 +187,13 @@ class PipelineModule(_DSPipelineModule):
         """What segment ``[start, end)`` showed on its first call (see :class:`~ds_pipe_ckpt.regions.RegionFacts`)."""
         return self.__dict__.setdefault("_facts_by_segment", {}).setdefault((start, end), RegionFacts())
 
-    def _segment_options(self, mode: str) -> CheckpointOptions:
-        """The options of this mode's segments under the settings in force (cached per settings object)."""
-        settings = current_settings()
-        cached = self.__dict__.get("_options_cache")
-        if cached is None or cached[0] is not settings or cached[1] != mode:
-            options = CheckpointOptions.resolve(settings.config, use_reentrant=mode == REENTRANT)
-            cached = self.__dict__["_options_cache"] = (settings, mode, options)
-        return cached[2]
-
     def _checkpoint_segment(self, run: Callable[..., Any], inputs: tuple, start: int, end: int) -> Any:
         mode = self.checkpoint_mode
         if mode == CUSTOM:
             return self.activation_checkpoint_func(run, *inputs)
         region = Region(self.segment_label(start, end), micro_batch=self.micro_offset,
                         facts=self._segment_facts(start, end))
-        return checkpoint_region(run, inputs, {}, region, self._segment_options(mode))
+        return checkpoint_region(run, inputs, {}, region, current_settings().options(use_reentrant=mode == REENTRANT))
 
     def forward(self, forward_input: Any) -> Any:
         self.micro_offset += 1

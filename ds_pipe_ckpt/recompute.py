@@ -83,36 +83,26 @@ def _first_line(error: BaseException) -> str:
 _SELECTIVE_MISMATCH = getattr(torch_checkpoint, "_SAC_MISMATCH_MSG", None)
 
 
-@contextlib.contextmanager
-def renamed(region: Region) -> Iterator[None]:
-    """Re-raise torch's ``CheckpointError`` (and its selective checkpointing's
-    mismatch error) as a :class:`RecomputeMismatchError` naming ``region``."""
-    try:
-        yield
-    except RecomputeMismatchError:
-        raise
-    except torch_checkpoint.CheckpointError as error:
-        raise mismatch(region, _first_line(error)) from error
-    except RuntimeError as error:
-        if _SELECTIVE_MISMATCH is None or _SELECTIVE_MISMATCH not in str(error):
-            raise
-        raise mismatch(region, f"(selective checkpointing) {_first_line(error)}") from error
+def renamed(region: Region, error: BaseException) -> RecomputeMismatchError | None:
+    """The :class:`RecomputeMismatchError` naming ``region`` that stands for one
+    of torch's recomputation errors (a ``CheckpointError``, or selective
+    checkpointing's mismatch), or None for any other error."""
+    if isinstance(error, RecomputeMismatchError):
+        return None
+    if isinstance(error, torch_checkpoint.CheckpointError):
+        return mismatch(region, _first_line(error))
+    if isinstance(error, RuntimeError) and _SELECTIVE_MISMATCH is not None and _SELECTIVE_MISMATCH in str(error):
+        return mismatch(region, f"(selective checkpointing) {_first_line(error)}")
+    return None
 
 
 # -- what a saved tensor is --------------------------------------------------------------
 
+# A saved tensor's origin: an input of the region (which one is not recorded: a
+# tensor passed twice arrives as one object in the forward and as two in the
+# recomputation), the class of its autograd node, or, for a leaf, whether it
+# requires grad (a parameter; or a constant, a tensor computed without grad).
 _INPUT = "input"
-
-
-def _origin(tensor: torch.Tensor, input_ids: frozenset[int]) -> Any:
-    """Where a saved tensor comes from: an input of the region (which one is not
-    recorded: a tensor passed twice arrives as one object in the forward and as
-    two in the recomputation), the class of its autograd node, or whether it
-    requires grad (a leaf: a parameter, a constant, a tensor computed without grad)."""
-    if id(tensor) in input_ids:
-        return _INPUT
-    node = tensor.grad_fn
-    return type(node) if node is not None else tensor.requires_grad
 
 
 def _describe_saved(entry: tuple | None) -> str:
@@ -133,8 +123,8 @@ def _describe_saved(entry: tuple | None) -> str:
 class SavedTensorProbe:
     """Watches the tensors one region saves for backward (see the module docstring).
 
-    :meth:`recording` wraps the region's forward, :meth:`comparing` each
-    recomputation; both push a :class:`~ds_pipe_ckpt.hooks.TransparentHooks`
+    :meth:`run_forward` runs the region's forward, :meth:`run_recomputation`
+    each recomputation; both push a :class:`~ds_pipe_ckpt.hooks.TransparentHooks`
     pair on top of the pair torch's checkpoint has just pushed and delegate
     every save and unpack to it.
     """
@@ -149,8 +139,13 @@ class SavedTensorProbe:
         input_ids = frozenset(id(t) for t in inputs if isinstance(t, torch.Tensor))
         region = self.region
 
-        def pack(tensor: torch.Tensor) -> Any:
-            record.append((_origin(tensor, input_ids), tensor.shape, tensor.dtype))
+        def pack(tensor: torch.Tensor) -> Any:  # one call per saved tensor: kept lean
+            if id(tensor) in input_ids:
+                origin = _INPUT
+            else:
+                node = tensor.grad_fn
+                origin = type(node) if node is not None else tensor.requires_grad
+            record.append((origin, tensor.shape, tensor.dtype))
             return torch_pack(tensor)
 
         def unpack(handle: Any) -> torch.Tensor:
@@ -158,9 +153,9 @@ class SavedTensorProbe:
             # result there, outside the region's function: name the region here.
             try:
                 return torch_unpack(handle)
-            except RecomputeMismatchError:
-                raise
             except torch_checkpoint.CheckpointError as error:
+                if isinstance(error, RecomputeMismatchError):
+                    raise
                 if isinstance(error.__cause__, RecomputeMismatchError):
                     # torch's debug mode wrapped ours: keep our message, add its op traces.
                     raise RecomputeMismatchError(f"{error.__cause__}\n\ntorch's debug report:\n{error}") from error
@@ -168,39 +163,37 @@ class SavedTensorProbe:
 
         return TransparentHooks(pack, unpack)
 
-    @contextlib.contextmanager
-    def recording(self, inputs: tuple) -> Iterator[None]:
-        """Around the forward: record what it saves."""
+    def run_forward(self, run: Callable[[tuple], Any], args: tuple) -> Any:
+        """``run(args)``, the forward, recording what it saves."""
         torch_hooks = top_hooks()
         if torch_hooks is None:  # not under a checkpoint (grad disabled): nothing is saved
-            yield
-            return
+            return run(args)
         saved: list[tuple] = []
-        with self._hooks(torch_hooks, inputs, saved):
-            yield
+        with self._hooks(torch_hooks, args, saved):
+            out = run(args)
         self.forward_saved = saved
+        return out
 
-    @contextlib.contextmanager
-    def comparing(self, inputs: tuple) -> Iterator[None]:
-        """Around a recomputation: record what it saves and compare with the forward."""
+    def run_recomputation(self, run: Callable[[tuple], Any], args: tuple) -> Any:
+        """``run(args)``, a recomputation, checked against the forward."""
         torch_hooks = top_hooks()
         if torch_hooks is None or self.forward_saved is None or not self.compare:
-            yield
-            return
+            return run(args)
         saved: list[tuple] = []
         try:
-            with self._hooks(torch_hooks, inputs, saved):
-                yield
+            with self._hooks(torch_hooks, args, saved):
+                out = run(args)
         except STOP_RECOMPUTATION:
             # torch stopped it once it had rebuilt as many tensors as the forward saved.
             self._compare(saved, finished=False)
             raise
-        except RecomputeMismatchError:
-            raise
         except torch_checkpoint.CheckpointError as error:  # e.g. more tensors than the forward saved
+            if isinstance(error, RecomputeMismatchError):
+                raise
             self._compare(saved, finished=False, cause=error)
             raise mismatch(self.region, _first_line(error)) from error
         self._compare(saved, finished=True)
+        return out
 
     def _compare(self, recomputed: list[tuple], *, finished: bool, cause: BaseException | None = None) -> None:
         forward = self.forward_saved

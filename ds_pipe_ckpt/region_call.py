@@ -5,18 +5,17 @@ place that tells the two apart. Around the forward it records what the
 recomputation must reproduce (DeepSpeed's model-parallel RNG states, the
 tensors the region saves, with ``verify_recompute`` every op); around each
 recomputation it replays and checks them, inside the region placement's
-synchronisation and timing.
+synchronisation and timing. It runs on every checkpointed call, so it is
+written as plain code rather than stacked context managers.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable
 
 from .placement.runtime import RegionPlacement
 from .recompute import OpTrace, SavedTensorProbe, renamed, require_tensor_output
 from .regions import Region
-from .rng import TrackerStates
 
 __all__ = ["RegionCall"]
 
@@ -47,7 +46,7 @@ class RegionCall:
         self.probe = SavedTensorProbe(region, compare=check)
         self.trace = OpTrace(region) if verify else None
         self.placement = placement
-        self.tracker_states: TrackerStates | None = None
+        self.tracker_states: dict | None = None  # the tracker's states when the forward started
         self.forward_done = False
         self.recomputations = 0
 
@@ -57,6 +56,14 @@ class RegionCall:
         split = len(args) - len(self.kwarg_names)
         return self.fn(*args[:split], **dict(zip(self.kwarg_names, args[split:])))
 
+    def _run_recording(self, args: tuple) -> Any:
+        with self.trace:
+            return self._run(args)
+
+    def _run_replaying(self, args: tuple) -> Any:
+        with self.trace.replaying():
+            return self._run(args)
+
     def __call__(self, *args: Any) -> Any:
         if self.forward_done:
             return self._recompute(args)
@@ -65,24 +72,29 @@ class RegionCall:
 
     def _forward(self, args: tuple) -> Any:
         if self.tracker is not None:
-            self.tracker_states = TrackerStates(self.tracker)
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(self.probe.recording(args))
-            if self.trace is not None:
-                stack.enter_context(self.trace)
-            out = self._run(args)
+            # get_states() copies the dict; fork() replaces entries, never mutates them.
+            self.tracker_states = self.tracker.get_states()
+        out = self.probe.run_forward(self._run if self.trace is None else self._run_recording, args)
         require_tensor_output(out, self.region)
         return out
 
     def _recompute(self, args: tuple) -> Any:
         self.recomputations += 1
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(renamed(self.region))
-            if self.placement is not None:
-                stack.enter_context(self.placement.recomputing())
-            if self.tracker_states is not None:
-                stack.enter_context(self.tracker_states.replayed())
-            stack.enter_context(self.probe.comparing(args))
-            if self.trace is not None:
-                stack.enter_context(self.trace.replaying())
-            return self._run(args)
+        placement, tracker, states = self.placement, self.tracker, self.tracker_states
+        started = placement.begin_recomputation() if placement is not None else None
+        live = None
+        if states is not None:
+            live = tracker.get_states()
+            tracker.set_states(dict(states))
+        try:
+            return self.probe.run_recomputation(self._run if self.trace is None else self._run_replaying, args)
+        except Exception as error:
+            replacement = renamed(self.region, error)
+            if replacement is None:
+                raise
+            raise replacement from error
+        finally:
+            if live is not None:
+                tracker.set_states(live)
+            if placement is not None:
+                placement.end_recomputation(started)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 
 import torch.nn as nn
@@ -45,17 +45,33 @@ class RegionFacts:
         return bool(self.mutated_inputs)
 
 
-@dataclass(frozen=True)
 class Region:
-    """A checkpointed region, for messages and for what is learned about it."""
+    """A checkpointed region, for messages and for what is learned about it.
 
-    name: str
-    micro_batch: int | None = None
-    facts: RegionFacts = field(default_factory=RegionFacts, compare=False, repr=False)
+    ``name`` is a string, or the checkpointed callable itself, described (by
+    :func:`describe_callable`) only when a message needs it: regions are
+    created on every checkpointed call.
+    """
+
+    __slots__ = ("_name", "micro_batch", "facts")
+
+    def __init__(self, name: str | Callable[..., Any], micro_batch: int | None = None,
+                 facts: RegionFacts | None = None):
+        self._name = name
+        self.micro_batch = micro_batch
+        self.facts = facts if facts is not None else RegionFacts()
+
+    @property
+    def name(self) -> str:
+        name = self._name
+        return name if isinstance(name, str) else f"function {describe_callable(name)}"
 
     def __str__(self) -> str:
         where = f" in micro-batch {self.micro_batch}" if self.micro_batch is not None else ""
         return f"{self.name}{where}"
+
+    def __repr__(self) -> str:
+        return f"Region({str(self)!r})"
 
 
 def _is_method_of(function: Any, obj: Any) -> bool:
@@ -110,6 +126,8 @@ def region_key(function: Callable[..., Any]) -> Hashable:
     its closure captured, so that ``lambda x: layer(x)`` created anew on each
     call is recognised as long as ``layer`` is the same object.
     """
+    if isinstance(function, nn.Module):  # the common case, on every call: no unwrapping
+        return ("object", id(function), None)
     target, instance = _unwrap(function)
     code = getattr(target, "__code__", None)
     if code is not None:

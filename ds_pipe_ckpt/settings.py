@@ -16,6 +16,7 @@ from deepspeed import comm as ds_comm
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
 from .config import CheckpointingConfig, load_ds_config
+from .options import CheckpointOptions
 from .errors import ConfigError
 from .parallel import TensorParallelGroup
 from .regions import RegionRegistry
@@ -45,6 +46,24 @@ class CheckpointingSettings:
     warned: set = field(default_factory=set)
     # What the functions given to checkpoint() showed on their first call.
     regions: RegionRegistry = field(default_factory=RegionRegistry, repr=False, compare=False)
+    # Resolved per-call options, by the keywords they were resolved from.
+    _options: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def options(self, **keywords: Any) -> CheckpointOptions:
+        """:meth:`CheckpointOptions.resolve` of ``keywords`` under this
+        configuration, cached (it runs on every checkpointed call)."""
+        # Types too: True and 1 are equal keys, and only one of them is valid.
+        key = tuple((name, type(value), value) for name, value in keywords.items())
+        try:
+            return self._options[key]
+        except KeyError:
+            pass
+        except TypeError:  # an unhashable value: resolve() names it
+            return CheckpointOptions.resolve(self.config, **keywords)
+        options = self._options[key] = CheckpointOptions.resolve(self.config, **keywords)
+        if len(self._options) > 64:  # e.g. a new context_fn per call
+            self._options.pop(next(iter(self._options)))
+        return options
     # State the checkpoints of this configuration share (buffer pool, profile
     # records): a ds_pipe_ckpt.placement.runtime.CheckpointRuntime, created on first use.
     runtime: Any = field(default=None, repr=False, compare=False)

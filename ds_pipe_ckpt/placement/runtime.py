@@ -18,9 +18,6 @@ records) lives in a :class:`CheckpointRuntime` attached to the
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
@@ -103,7 +100,8 @@ class RegionPlacement:
     the region runs, :meth:`store` with the inputs to keep when its forward has
     ended (when :attr:`holds_inputs`), :meth:`end_forward`, and :meth:`unpack`
     for each input the recomputation needs; :class:`ds_pipe_ckpt.region_call.RegionCall`
-    runs each recomputation inside :meth:`recomputing`.
+    brackets each recomputation with :meth:`begin_recomputation` and
+    :meth:`end_recomputation`.
     """
 
     def __init__(self, runtime: CheckpointRuntime):
@@ -143,20 +141,19 @@ class RegionPlacement:
     def unpack(self, index: int) -> torch.Tensor:
         return self._stash.unpack(index)
 
-    @contextlib.contextmanager
-    def recomputing(self) -> Iterator[None]:
-        """Around one recomputation: synchronised and timed as configured."""
+    def begin_recomputation(self) -> float | None:
+        """Before a recomputation: synchronise and start its timer, as configured."""
         runtime = self.runtime
-        profiler = runtime.profiler
         runtime.synchronize_boundary()
-        started = profiler.start() if profiler is not None else None
-        try:
-            yield  # torch may stop it early by raising: still timed
-        finally:
-            runtime.synchronize_boundary()
-            if started is not None:
-                self.record.recompute_s = profiler.stop(started)
-                profiler.log(self.record, "recompute")
+        return runtime.profiler.start() if runtime.profiler is not None else None
+
+    def end_recomputation(self, started: float | None) -> None:
+        """After a recomputation, also one torch stopped early by raising."""
+        runtime = self.runtime
+        runtime.synchronize_boundary()
+        if started is not None:
+            self.record.recompute_s = runtime.profiler.stop(started)
+            runtime.profiler.log(self.record, "recompute")
 
 
 def placement_for(config: CheckpointingConfig, model_parallel: TensorParallelGroup | None) -> RegionPlacement | None:
