@@ -18,7 +18,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .memory import MemoryReport, MemoryTracker, track_memory
+from ds_pipe_ckpt.memory import MemoryReport, MemoryTracker, track_memory
+
 from .variants import CheckpointFn, Variant, variant
 from .workloads import Workload, build_workload
 
@@ -175,7 +176,7 @@ def measure_variants(stage: Stage, variants: Sequence[Variant], floor_bytes: int
 def measure_in_rank(jobs: Sequence[tuple[str, str]], preset: str, device_type: str, repetitions: int,
                     warmup: int, threads: int) -> list[dict]:
     """One rank's share of the multi-rank variants, run by
-    :func:`benchmarks.distributed.run_ranks`: each ``(workload, variant)`` of
+    :func:`ds_pipe_ckpt.testing.run_ranks`: each ``(workload, variant)`` of
     ``jobs`` measured as :func:`measure_variants` does, on this rank's process
     group and device (``cuda:LOCAL_RANK`` for ``device_type="cuda"``).
     Returns :meth:`Result.as_json` records."""

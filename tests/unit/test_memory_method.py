@@ -1,4 +1,4 @@
-"""The benchmark's memory method (benchmarks.memory) gives known answers.
+"""The memory method (ds_pipe_ckpt.memory) gives known answers.
 
 Every expected figure below is derived by hand from tensor sizes (fp32, 4 bytes
 an element): what is allocated, what autograd saves, and when it is freed.
@@ -7,13 +7,15 @@ each CUDA case runs once untracked first (cuBLAS keeps a workspace it
 allocates on first use), so that the same answers hold on CUDA.
 """
 
+import threading
+
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from benchmarks.floor import checkpointing_floor, segment_sizes
 from benchmarks.measure import Stage
-from benchmarks.memory import ForeignFreeError, track_memory
+from ds_pipe_ckpt.memory import cpu_allocations_tracked, track_cpu_allocations, track_memory
 from benchmarks.variants import variant
 from benchmarks.workloads import gpt_stage
 
@@ -102,14 +104,73 @@ def test_memory_allocated_before_the_region_is_not_counted():
     del before, small
 
 
-def test_freeing_a_block_from_an_earlier_region_is_detected():
-    """The profiler reports such a free with a size the region never added; the
-    tracker refuses to produce a wrong figure."""
+@pytest.fixture
+def cpu_allocations():
+    """The CPU allocator records every block's size (on every thread) during the test."""
+    previous = track_cpu_allocations(True)
+    yield
+    track_cpu_allocations(previous)
+
+
+@pytest.fixture
+def no_cpu_allocation_tracking():
+    """Only the profiler makes the CPU allocator record sizes during the test."""
+    previous = track_cpu_allocations(False)
+    yield
+    track_cpu_allocations(previous)
+
+
+def _free_preexisting_then_allocate(device, preexisting):
+    """Region: allocate 1024 floats, free the 4096-float ``preexisting[0]``,
+    allocate 2048 floats. Relative to the start: +1024, -3072, -1024 floats."""
+    with track_memory(device) as tracker:
+        a = torch.empty(1024, device=device)
+        tracker.mark("a")
+        preexisting.clear()
+        tracker.mark("freed")
+        b = torch.empty(2048, device=device)
+        tracker.mark("b")
+    del a, b
+    return tracker.report
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_freeing_a_preexisting_tensor_inside_the_region_is_counted(device, cpu_allocations):
+    """Allocated before the region and outside any profiler: the allocator's
+    running total still knows its size."""
+    preexisting = [torch.empty(4096, device=device)]
+    report = _free_preexisting_then_allocate(device, preexisting)
+    assert report.marks == {"a": 1024 * F32, "freed": -3072 * F32, "b": -1024 * F32}
+    assert report.peak_bytes == 1024 * F32
+    assert report.final_bytes == -1024 * F32
+
+
+def test_freeing_a_block_from_an_earlier_profiled_region_is_counted(no_cpu_allocation_tracking):
+    """Without process-wide tracking, a block allocated under an earlier memory
+    profile has its size recorded too."""
+    assert not cpu_allocations_tracked()
     with track_memory("cpu"):
-        leftover = torch.empty(1000)
-    with pytest.raises(ForeignFreeError, match="4000 bytes"):
-        with track_memory("cpu"):
-            del leftover
+        preexisting = [torch.empty(4096)]
+    report = _free_preexisting_then_allocate("cpu", preexisting)
+    assert report.marks == {"a": 1024 * F32, "freed": -3072 * F32, "b": -1024 * F32}
+    assert report.peak_bytes == 1024 * F32
+
+
+def test_free_on_another_thread_is_counted(cpu_allocations):
+    """A tensor released by a thread the profiler does not follow (as gloo's
+    worker threads release buffers) lowers the count when it happens."""
+    with track_memory("cpu") as tracker:
+        held = [torch.empty(4096)]
+        tracker.mark("allocated")
+        worker = threading.Thread(target=held.clear)
+        worker.start()
+        worker.join()
+        tracker.mark("freed elsewhere")
+        c = torch.empty(1024)
+    assert tracker.report.marks == {"allocated": 4096 * F32, "freed elsewhere": 0}
+    assert tracker.report.peak_bytes == 4096 * F32
+    assert tracker.report.final_bytes == 1024 * F32
+    del c
 
 
 def test_gpt_stage_peak_is_above_the_analytic_floor_and_close_to_it():
