@@ -1,0 +1,48 @@
+"""Per-stage activation checkpointing plans for DeepSpeed's 1F1B pipeline.
+
+For each pipeline stage, choose which layers to store, which to checkpoint
+(and where the checkpoint regions start and end) and which to checkpoint
+selectively, so that the recomputation time is least while the stage's
+predicted peak memory, with its micro-batches in flight, stays within a
+budget. The cost model and the solver are pure Python (no torch): the
+layers' figures come in as :class:`LayerProfile` s.
+
+* :mod:`.cost_model`: the problem (:class:`LayerProfile`, :class:`StageProblem`),
+  plans (:class:`Segment`, :class:`Decision`) and their predicted peak
+  (:func:`predicted_peak_bytes`) and recomputation time (:func:`recompute_seconds`).
+* :mod:`.solver`: the exact optimiser :func:`plan_stage`, returning a
+  :class:`StagePlan` or raising :class:`InfeasibleBudgetError` with the least
+  feasible budget, also given by :func:`minimum_peak_bytes`.
+
+Inside a pipeline stage (``PipelineModule.enable_planning``):
+
+* :mod:`.profile`: each layer's figures, measured on a training micro-batch;
+* :mod:`.stage`: :class:`~.stage.StagePlanner`, which measures, plans, follows
+  the plan and checks its prediction, and :class:`~.stage.PlannedStage`, what
+  ``PipelineModule.checkpoint_plan`` exposes;
+* :mod:`.report`: the table the planner prints.
+
+Example::
+
+    problem = StageProblem(layers=profiles, in_flight=min(pp - stage, micro_batches),
+                           budget_bytes=40 << 30, base_bytes=static_bytes, label=f"stage {stage}")
+    plan = plan_stage(problem)
+    plan.checkpoint_boundaries  # ((start, end), ...) of the checkpointed calls
+"""
+
+from .cost_model import (Decision, LayerProfile, Segment, StageProblem, predicted_peak_bytes,
+                         recompute_seconds)
+from .solver import InfeasibleBudgetError, StagePlan, minimum_peak_bytes, plan_stage
+
+__all__ = [
+    "LayerProfile",
+    "StageProblem",
+    "Decision",
+    "Segment",
+    "predicted_peak_bytes",
+    "recompute_seconds",
+    "StagePlan",
+    "InfeasibleBudgetError",
+    "plan_stage",
+    "minimum_peak_bytes",
+]
