@@ -39,7 +39,7 @@ from .placement.runtime import placement_for
 from .reentrant import reentrant_checkpoint
 from .region_call import RegionCall
 from .regions import Region
-from .selective import default_ops, resolve_ops, selective_context_fn
+from .selective import ops_to_keep, selective_context_fn
 from .settings import CheckpointingSettings, current_settings
 from .errors import ReentrantFallbackWarning
 
@@ -60,19 +60,21 @@ _IN_PLACE_WARNING = (
 
 def _context_fn(options: CheckpointOptions) -> Callable[[], tuple]:
     if options.selective:
-        ops = default_ops() if options.save_ops is None else resolve_ops(options.save_ops)
-        return selective_context_fn(ops)
+        return selective_context_fn(ops_to_keep(options.save_ops))
     return options.context_fn if options.context_fn is not None else torch_checkpoint.noop_context_fn
 
 
 def checkpoint_non_reentrant(function: Callable[..., Any], args: tuple, kwarg_names: tuple[str, ...],
-                             region: Region, options: CheckpointOptions, settings: CheckpointingSettings) -> Any:
+                             region: Region, options: CheckpointOptions, settings: CheckpointingSettings,
+                             observer: Any = None) -> Any:
     """torch's non-reentrant checkpoint of ``function`` (see the module docstring);
-    ``args`` ends with the values of the keyword arguments named ``kwarg_names``."""
+    ``args`` ends with the values of the keyword arguments named ``kwarg_names``.
+    ``observer``: see :class:`~ds_pipe_ckpt.region_call.RegionCall`."""
     placement = placement_for(settings.config, settings.model_parallel)
     call = RegionCall(function, region, kwarg_names=kwarg_names,
                       tracker=ds_checkpointing.get_cuda_rng_tracker() if options.preserve_rng_state else None,
-                      check=options.determinism_check != "none", verify=options.verify, placement=placement)
+                      check=options.determinism_check != "none", verify=options.verify, placement=placement,
+                      observer=observer)
     extra = {}
     if options.respect_saved_tensors_hooks is not None:
         extra["respect_saved_tensors_hooks"] = options.respect_saved_tensors_hooks
@@ -94,14 +96,17 @@ def _inputs_are_copied(settings: CheckpointingSettings) -> bool:
 
 
 def checkpoint_region(function: Callable[..., Any], args: tuple, kwargs: dict, region: Region,
-                      options: CheckpointOptions) -> Any:
+                      options: CheckpointOptions, observer: Any = None) -> Any:
     """Checkpoint ``function(*args, **kwargs)`` as ``region`` with ``options``
-    (what :func:`checkpoint` and ``PipelineModule`` call)."""
+    (what :func:`checkpoint` and ``PipelineModule`` call). An ``observer``
+    (non-reentrant mode only) watches the forward and the recomputation."""
     settings = current_settings()
     kwarg_names = tuple(kwargs)
     flat = (*args, *kwargs.values()) if kwargs else args
     if not options.use_reentrant:
-        return checkpoint_non_reentrant(function, flat, kwarg_names, region, options, settings)
+        return checkpoint_non_reentrant(function, flat, kwarg_names, region, options, settings, observer)
+    if observer is not None:
+        raise ValueError("checkpoint_region: an observer needs the non-reentrant mode")
     if torch.is_grad_enabled():
         if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in flat):
             settings.warn_once("reentrant-fallback", _FALLBACK_WARNING.format(name=region.name),

@@ -17,8 +17,11 @@ Keys read (all optional):
     forward op by op, naming the first differing op), ``early_stop`` (torch's
     early stop of recomputation, default true: a recomputation ends once it has
     rebuilt every tensor the backward needs; false runs it to the end and
-    requires the ops after that to match too) and ``debug`` (torch's op-trace
-    debug mode for recomputation errors).
+    requires the ops after that to match too), ``debug`` (torch's op-trace
+    debug mode for recomputation errors) and ``memory_budget_mb`` (a per-stage
+    memory budget, one number for every stage or a list with one per stage: the
+    planner of :mod:`ds_pipe_ckpt.planning` then chooses per layer what to
+    store, checkpoint or checkpoint selectively).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ OVERRIDE_KEYS = {
     "early_stop": "early_stop",
     "policy": "policy",
     "save_ops": "save_ops",
+    "memory_budget_mb": "memory_budget_mb",
 }
 
 POLICIES = ("full", "selective")
@@ -99,14 +103,16 @@ class CheckpointingConfig:
     debug: bool = False
     policy: str = "full"
     save_ops: tuple[str, ...] | None = None
+    memory_budget_mb: float | tuple[float, ...] | None = None
 
     def __post_init__(self):
         key_of = {f: (f"{PIPELINE}.{f}" if f == "use_reentrant" else f"{SECTION}.{f}")
                   for f in (x.name for x in dataclasses.fields(self))}
         for field in dataclasses.fields(self):
-            if field.name not in ("number_checkpoints", "policy", "save_ops"):
+            if field.name not in ("number_checkpoints", "policy", "save_ops", "memory_budget_mb"):
                 _require_bool(key_of[field.name], getattr(self, field.name))
         self._check_policy(key_of)
+        self._check_budget(key_of)
         n = self.number_checkpoints
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0):
             raise ConfigError(key_of["number_checkpoints"], n, "a positive integer or null")
@@ -138,12 +144,42 @@ class CheckpointingConfig:
             return
         if isinstance(ops, str) or not isinstance(ops, (list, tuple)) or not ops:
             raise ConfigError(key_of["save_ops"], ops, "a non-empty list of ATen op names, e.g. [\"aten.mm\"]")
-        if self.policy != "selective":
-            raise ConfigError(key_of["save_ops"], list(ops), f"null unless {key_of['policy']} is \"selective\"",
-                              "save_ops chooses what selective checkpointing keeps.")
+        if self.policy != "selective" and self.memory_budget_mb is None:
+            raise ConfigError(key_of["save_ops"], list(ops), f"null unless {key_of['policy']} is \"selective\" "
+                              "or memory_budget_mb is set", "save_ops chooses what selective checkpointing keeps.")
         from .selective import resolve_ops  # imports torch's checkpoint internals: only when used
         resolve_ops(ops, key=key_of["save_ops"])
         object.__setattr__(self, "save_ops", tuple(ops))
+
+    def _check_budget(self, key_of: dict[str, str]) -> None:
+        budget, key = self.memory_budget_mb, key_of["memory_budget_mb"]
+        if budget is None:
+            return
+        values = list(budget) if isinstance(budget, (list, tuple)) else [budget]
+        if not values or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 for v in values):
+            raise ConfigError(key, budget, "a positive number of MiB (every stage), or a non-empty list of them "
+                              "(one per pipeline stage)")
+        if self.use_reentrant:
+            raise ConfigError(key, budget, "null unless pipeline.use_reentrant is false",
+                              "The planner checkpoints with torch's non-reentrant checkpoint (and selectively).")
+        if self.policy == "selective":
+            raise ConfigError(key_of["policy"], self.policy, "\"full\" (the default) with memory_budget_mb",
+                              "With a budget the planner chooses, per segment, full or selective checkpointing "
+                              "(save_ops still says what selective keeps).")
+        if isinstance(budget, list):
+            object.__setattr__(self, "memory_budget_mb", tuple(budget))
+
+    def budget_bytes(self, stage: int, num_stages: int) -> int | None:
+        """``memory_budget_mb`` of pipeline stage ``stage``, in bytes (None: no budget)."""
+        budget = self.memory_budget_mb
+        if budget is None:
+            return None
+        if isinstance(budget, tuple):
+            if len(budget) != num_stages:
+                raise ConfigError(f"{SECTION}.memory_budget_mb", list(budget),
+                                  f"one number, or a list of {num_stages} (one per pipeline stage)")
+            budget = budget[stage]
+        return int(budget * 2**20)
 
     @classmethod
     def from_ds_config(cls, param_dict: Mapping[str, Any] | None) -> "CheckpointingConfig":

@@ -8,7 +8,8 @@ from typing import Any
 import deepspeed
 from deepspeed.pipe import PipelineModule as _DSPipelineModule
 
-from .config import CheckpointingConfig, load_ds_config
+from .config import CheckpointingConfig, load_ds_config, pipeline_interval
+from .errors import ConfigError
 from .settings import configure
 
 __all__ = ["initialize"]
@@ -42,6 +43,10 @@ def initialize(args: Any = None,
     validates and applies the config's activation-checkpointing settings, with
     the pipeline grid of a :class:`PipelineModule` as model-parallel unit.
 
+    With ``activation_checkpointing.memory_budget_mb`` and a
+    :class:`~ds_pipe_ckpt.PipelineModule`, the module's planner is enabled
+    (``PipelineModule.enable_planning``) with the engine's micro-batches per step.
+
     Raises:
         ConfigError: before anything is built, for an invalid
             ``pipeline.use_reentrant``, ``pipeline.activation_checkpoint_interval``
@@ -50,7 +55,9 @@ def initialize(args: Any = None,
     param_dict = _resolve_config(args, config, config_params)
     # Validate before any process group or engine is built, so that a bad value
     # fails fast and names its key.
-    CheckpointingConfig.from_ds_config(param_dict)
+    checkpointing = CheckpointingConfig.from_ds_config(param_dict)
+    if checkpointing.memory_budget_mb is not None:
+        _check_plannable(model, param_dict)
     result = deepspeed.initialize(args=args,
                                   model=model,
                                   optimizer=optimizer,
@@ -66,5 +73,23 @@ def initialize(args: Any = None,
                                   config_params=config_params)
     if mpu is None and isinstance(model, _DSPipelineModule):
         mpu = model.mpu()
-    configure(mpu=mpu, deepspeed_config=param_dict)
+    settings = configure(mpu=mpu, deepspeed_config=param_dict)
+    if settings.config.memory_budget_mb is not None:
+        engine = result[0]
+        model.enable_planning(settings.config.budget_bytes(model.stage_id, model.num_stages), engine.micro_batches)
     return result
+
+
+def _check_plannable(model: Any, param_dict: dict) -> None:
+    from .pipe import PipelineModule  # the module imports this package's core
+
+    interval = pipeline_interval(param_dict)
+    if interval:
+        raise ConfigError("pipeline.activation_checkpoint_interval", interval,
+                          "0 when activation_checkpointing.memory_budget_mb is set",
+                          "The planner chooses which layers to checkpoint and where segments begin; set the "
+                          "interval to 0 (or drop memory_budget_mb to checkpoint uniformly).")
+    if not isinstance(model, PipelineModule):
+        raise ConfigError("activation_checkpointing.memory_budget_mb", param_dict["activation_checkpointing"]
+                          ["memory_budget_mb"], "null unless the model is a ds_pipe_ckpt.PipelineModule",
+                          "The planner chooses what each pipeline stage checkpoints.")

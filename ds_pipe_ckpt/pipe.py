@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import torch
 from deepspeed.pipe import LayerSpec as _DSLayerSpec
 from deepspeed.pipe import PipelineModule as _DSPipelineModule
 from deepspeed.pipe import TiedLayerSpec as _DSTiedLayerSpec
@@ -115,6 +116,14 @@ class PipelineModule(_DSPipelineModule):
                          checkpointable_layers=checkpointable_layers,
                          dynamic_shape=dynamic_shape)
 
+    def _synchronize_tied_weights(self) -> None:
+        """Upstream's broadcast of each tied weight from its first stage, without
+        autograd: recorded by autograd, the in-place ``broadcast_`` (a c10d op
+        with no autograd kernel) makes torch warn at every later backward. The
+        weights and gradients are the same either way."""
+        with torch.no_grad():
+            super()._synchronize_tied_weights()
+
     # -- checkpoint function and mode -------------------------------------------------
     # DeepSpeed's engine assigns ``activation_checkpoint_func`` and compares it by
     # identity with its own functions (to decide whether to force input
@@ -187,18 +196,76 @@ class PipelineModule(_DSPipelineModule):
         """What segment ``[start, end)`` showed on its first call (see :class:`~ds_pipe_ckpt.regions.RegionFacts`)."""
         return self.__dict__.setdefault("_facts_by_segment", {}).setdefault((start, end), RegionFacts())
 
-    def _checkpoint_segment(self, run: Callable[..., Any], inputs: tuple, start: int, end: int) -> Any:
+    def _checkpoint_segment(self, run: Callable[..., Any], inputs: tuple, start: int, end: int, *,
+                            policy: str | None = None, options: Any = None, observer: Any = None) -> Any:
         mode = self.checkpoint_mode
         if mode == CUSTOM:
             return self.activation_checkpoint_func(run, *inputs)
         region = Region(self.segment_label(start, end), micro_batch=self.micro_offset,
                         facts=self._segment_facts(start, end))
-        return checkpoint_region(run, inputs, {}, region, current_settings().options(use_reentrant=mode == REENTRANT))
+        if options is None:
+            options = current_settings().options(use_reentrant=mode == REENTRANT, policy=policy)
+        return checkpoint_region(run, inputs, {}, region, options, observer=observer)
+
+    def run_segment(self, x: Any, start: int, end: int, seed_offset: int, *, checkpointed: bool,
+                    policy: str | None = None, options: Any = None, observer: Any = None) -> Any:
+        """Run local layers ``[start, end)`` on ``x``: as one checkpointed region
+        when ``checkpointed`` (with ``policy`` ``"full"``/``"selective"``, or
+        explicit ``options``; None: as configured), else plainly."""
+        run = self._layer_range(start, end, seed_offset)
+        inputs = x if isinstance(x, tuple) else (x, )
+        if not checkpointed:
+            return run(*inputs)
+        return self._checkpoint_segment(run, inputs, start, end, policy=policy, options=options, observer=observer)
+
+    # -- planning ---------------------------------------------------------------------
+
+    def enable_planning(self, budget_bytes: int, micro_batches: int) -> None:
+        """Choose per layer what to checkpoint under a per-stage memory budget
+        (``activation_checkpointing.memory_budget_mb``; ``ds_pipe_ckpt.initialize``
+        calls this). See :mod:`ds_pipe_ckpt.planning`.
+
+        Args:
+            budget_bytes: this stage's budget: peak bytes above what is
+                allocated when a training step begins.
+            micro_batches: micro-batches per step (the engine's gradient
+                accumulation steps), which with the stage's position gives the
+                micro-batches in flight under DeepSpeed's 1F1B schedule.
+        """
+        from .planning.stage import StagePlanner  # the planner is optional machinery
+
+        if self.checkpoint_mode != NON_REENTRANT:
+            raise ConfigError("activation_checkpointing.memory_budget_mb", budget_bytes / 2**20,
+                              "null unless pipeline.use_reentrant is false",
+                              "The planner checkpoints with torch's non-reentrant checkpoint (and selectively).")
+        if self.activation_checkpoint_interval != 0:
+            raise ConfigError("pipeline.activation_checkpoint_interval", self.activation_checkpoint_interval,
+                              "0 when activation_checkpointing.memory_budget_mb is set",
+                              "The planner chooses which layers to checkpoint and where segments begin; set "
+                              "the interval to 0 (or drop memory_budget_mb to checkpoint uniformly).")
+        self.__dict__["_planner"] = StagePlanner(self, budget_bytes=budget_bytes, micro_batches=micro_batches)
+
+    @property
+    def planning_enabled(self) -> bool:
+        """Whether a memory budget's planner chooses what this stage checkpoints."""
+        return self.__dict__.get("_planner") is not None
+
+    @property
+    def checkpoint_plan(self) -> Any:
+        """This stage's checkpointing plan (a :class:`~ds_pipe_ckpt.planning.stage.PlannedStage`:
+        decisions per layer, predicted and measured peak), or None before the
+        planner has measured the stage (its first training step) or when no
+        budget is configured."""
+        planner = self.__dict__.get("_planner")
+        return None if planner is None else planner.planned
 
     def forward(self, forward_input: Any) -> Any:
         self.micro_offset += 1
         # Upstream seeds layers with micro_offset + 1; keep it for identical streams.
         seed_offset = self.micro_offset + 1
+        planner = self.__dict__.get("_planner")
+        if planner is not None:
+            return planner.forward(forward_input, seed_offset)
         num_layers = len(self.forward_funcs)
         interval = self.activation_checkpoint_interval
         if interval == 0:
@@ -207,12 +274,6 @@ class PipelineModule(_DSPipelineModule):
         self._precompute_checkpointable_values()
         x = forward_input
         for segment, start in enumerate(range(0, num_layers, interval)):
-            end = min(start + interval, num_layers)
-            run = self._layer_range(start, end, seed_offset)
-            if not isinstance(x, tuple):
-                x = (x, )
-            if self.is_checkpointable_results[segment]:
-                x = self._checkpoint_segment(run, x, start, end)
-            else:
-                x = run(*x)
+            x = self.run_segment(x, start, min(start + interval, num_layers), seed_offset,
+                                 checkpointed=self.is_checkpointable_results[segment])
         return x

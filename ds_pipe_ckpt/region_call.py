@@ -34,11 +34,15 @@ class RegionCall:
             (torch's own errors are renamed to name the region either way).
         verify: also compare them op by op.
         placement: the region's input placement, for recomputation timing.
+        observer: something that watches the forward and the recomputation
+            (``observer.forward(run, args)`` and ``observer.recomputation(run,
+            args)`` call ``run(args)`` and return its result), e.g. the
+            planner's per-layer measurement; None on the usual path.
     """
 
     def __init__(self, fn: Callable[..., Any], region: Region, *, kwarg_names: tuple[str, ...] = (),
                  tracker: Any = None, check: bool = True, verify: bool = False,
-                 placement: RegionPlacement | None = None):
+                 placement: RegionPlacement | None = None, observer: Any = None):
         self.fn = fn
         self.region = region
         self.kwarg_names = kwarg_names
@@ -46,6 +50,7 @@ class RegionCall:
         self.probe = SavedTensorProbe(region, compare=check)
         self.trace = OpTrace(region) if verify else None
         self.placement = placement
+        self.observer = observer
         self.tracker_states: dict | None = None  # the tracker's states when the forward started
         self.forward_done = False
         self.recomputations = 0
@@ -57,12 +62,26 @@ class RegionCall:
         return self.fn(*args[:split], **dict(zip(self.kwarg_names, args[split:])))
 
     def _run_recording(self, args: tuple) -> Any:
-        with self.trace:
-            return self._run(args)
+        if self.trace is not None:
+            with self.trace:
+                return self._run(args)
+        return self._run(args)
 
     def _run_replaying(self, args: tuple) -> Any:
-        with self.trace.replaying():
-            return self._run(args)
+        if self.trace is not None:
+            with self.trace.replaying():
+                return self._run(args)
+        return self._run(args)
+
+    def _forward_run(self) -> Callable[[tuple], Any]:
+        if self.observer is not None:
+            return lambda args: self.observer.forward(self._run_recording, args)
+        return self._run if self.trace is None else self._run_recording
+
+    def _recomputation_run(self) -> Callable[[tuple], Any]:
+        if self.observer is not None:
+            return lambda args: self.observer.recomputation(self._run_replaying, args)
+        return self._run if self.trace is None else self._run_replaying
 
     def __call__(self, *args: Any) -> Any:
         if self.forward_done:
@@ -74,7 +93,7 @@ class RegionCall:
         if self.tracker is not None:
             # get_states() copies the dict; fork() replaces entries, never mutates them.
             self.tracker_states = self.tracker.get_states()
-        out = self.probe.run_forward(self._run if self.trace is None else self._run_recording, args)
+        out = self.probe.run_forward(self._forward_run(), args)
         require_tensor_output(out, self.region)
         return out
 
@@ -87,7 +106,7 @@ class RegionCall:
             live = tracker.get_states()
             tracker.set_states(dict(states))
         try:
-            return self.probe.run_recomputation(self._run if self.trace is None else self._run_replaying, args)
+            return self.probe.run_recomputation(self._recomputation_run(), args)
         except Exception as error:
             replacement = renamed(self.region, error)
             if replacement is None:

@@ -1,0 +1,191 @@
+"""What the planner needs to know about each layer of a stage, measured on
+the stage's first training micro-batch.
+
+That micro-batch runs every local layer as its own checkpointed region (the
+memory-safe choice while nothing is known) and, through the region's
+observer hook (:class:`~ds_pipe_ckpt.region_call.RegionCall`), a
+:class:`LayerMeter` per layer measures:
+
+* in the forward: the bytes of the layer's tensor inputs, the bytes autograd
+  saves for its backward (what it would keep without checkpointing: each
+  storage counted once per stage, parameters and the stage input, which are
+  held anyway, not at all) and its forward time;
+* in the recomputation (run to the end, op by op through a dispatch mode): the
+  bytes of the outputs selective checkpointing would keep (the save set of
+  :mod:`ds_pipe_ckpt.selective`) and the share of the layer's op time those ops
+  take, which selective checkpointing does not recompute.
+
+On CUDA every timing is bracketed by device synchronisations (this
+micro-batch only).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from ..hooks import TransparentHooks, top_hooks
+from .cost_model import LayerProfile
+
+__all__ = ["LayerMeter", "StorageLedger", "tensor_bytes"]
+
+
+def _keep(tensor: Any) -> Any:
+    return tensor
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def tensor_bytes(values: Iterable[Any]) -> int:
+    """Bytes of the distinct storages of the tensors among ``values``."""
+    seen, total = set(), 0
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
+
+
+class StorageLedger:
+    """The storages already accounted for on a stage: each saved storage is
+    charged to the first layer that saves it.
+
+    A storage is recognised by its address only while a tensor charged for it
+    is alive: inside checkpointed regions intermediate tensors are freed as
+    soon as they are used, and their addresses are reused by later ones.
+    """
+
+    def __init__(self, held: Iterable[torch.Tensor] = ()):
+        self._alive: dict[int, list[weakref.ref]] = {}
+        for tensor in held:
+            self._remember(tensor)
+
+    def _remember(self, tensor: torch.Tensor) -> None:
+        self._alive.setdefault(tensor.untyped_storage().data_ptr(), []).append(weakref.ref(tensor))
+
+    def _known(self, address: int) -> bool:
+        refs = self._alive.get(address)
+        if not refs:
+            return False
+        refs[:] = [ref for ref in refs if ref() is not None and ref().untyped_storage().data_ptr() == address]
+        return bool(refs)
+
+    def charge(self, tensor: torch.Tensor) -> int:
+        """Bytes ``tensor`` adds: its storage's, the first time it is seen; 0 for
+        parameters (always held) and storages already charged."""
+        if isinstance(tensor, nn.Parameter):
+            return 0
+        storage = tensor.untyped_storage()
+        known = self._known(storage.data_ptr())
+        self._remember(tensor)
+        return 0 if known else storage.nbytes()
+
+
+class _OpMeter(TorchDispatchMode):
+    """Times every op and adds up the output bytes of those in the save set."""
+
+    def __init__(self, save_ops: frozenset, device: torch.device):
+        super().__init__()
+        self.save_ops = save_ops
+        self.device = device
+        self.total_s = 0.0
+        self.saved_s = 0.0
+        self.saved_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        _synchronize(self.device)
+        started = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        _synchronize(self.device)
+        elapsed = time.perf_counter() - started
+        self.total_s += elapsed
+        if func in self.save_ops:
+            self.saved_s += elapsed
+            self.saved_bytes += tensor_bytes(tree_leaves(out))
+        return out
+
+
+class LayerMeter:
+    """The observer of one layer's region on the measurement micro-batch."""
+
+    def __init__(self, name: str, ledger: StorageLedger, save_ops: frozenset, device: torch.device,
+                 first_layer: bool, checkpointable: bool = True):
+        self.name = name
+        # A layer the pipeline may not checkpoint runs plainly (it is always stored):
+        # only its forward is measured.
+        self.checkpointable = checkpointable
+        self.ledger = ledger
+        self.save_ops = save_ops
+        self.device = device
+        self.first_layer = first_layer
+        self.input_bytes: int | None = None
+        self.saved_bytes = 0
+        self.forward_s: float | None = None
+        self.selective_saved_bytes: int | None = None
+        self.selective_share: float | None = None  # of the op time, spent in save-set ops
+
+    @property
+    def complete(self) -> bool:
+        return self.forward_s is not None and (self.selective_share is not None or not self.checkpointable)
+
+    def forward(self, run: Callable[[tuple], Any], args: tuple) -> Any:
+        # The stage input is held by the engine whatever the plan: a checkpoint
+        # starting at the first layer keeps nothing more.
+        self.input_bytes = 0 if self.first_layer else tensor_bytes(args)
+        # In a checkpointed region, stand in front of torch's hooks; a plain layer's
+        # saved tensors are kept as they are.
+        pack_inner, unpack_inner = top_hooks() or (_keep, _keep)
+        ledger = self.ledger
+
+        def pack(tensor: torch.Tensor) -> Any:
+            self.saved_bytes += ledger.charge(tensor)
+            return pack_inner(tensor)
+
+        _synchronize(self.device)
+        started = time.perf_counter()
+        with TransparentHooks(pack, unpack_inner):
+            out = run(args)
+        _synchronize(self.device)
+        self.forward_s = time.perf_counter() - started
+        return out
+
+    def recomputation(self, run: Callable[[tuple], Any], args: tuple) -> Any:
+        if self.selective_share is not None:  # a second backward: measured already
+            return run(args)
+        meter = _OpMeter(self.save_ops, self.device)
+        with meter:
+            out = run(args)
+        self.selective_saved_bytes = meter.saved_bytes
+        self.selective_share = meter.saved_s / meter.total_s if meter.total_s > 0 else 0.0
+        return out
+
+    def profile(self, input_bytes_scale: float = 1.0) -> LayerProfile:
+        """The measurements as the solver's :class:`LayerProfile`. ``input_bytes_scale``
+        is the fraction of a checkpointed input kept on the device (1/mp with
+        ``partition_activations``, 0 with ``cpu_checkpointing``)."""
+        if not self.complete:
+            raise RuntimeError(f"ds_pipe_ckpt: layer {self.name} was not measured completely")
+        if not self.checkpointable:
+            return LayerProfile(name=self.name, input_bytes=int(round(self.input_bytes * input_bytes_scale)),
+                                saved_bytes=self.saved_bytes, forward_s=self.forward_s, checkpointable=False)
+        # Selective checkpointing keeps the outputs of the save-set ops whether or
+        # not autograd would have: where that is more than the layer saves without
+        # checkpointing, it is never better than storing the layer; leave it out.
+        selective = self.selective_saved_bytes <= self.saved_bytes
+        return LayerProfile(name=self.name,
+                            input_bytes=int(round(self.input_bytes * input_bytes_scale)),
+                            saved_bytes=self.saved_bytes,
+                            forward_s=self.forward_s,
+                            selective_saved_bytes=self.selective_saved_bytes if selective else None,
+                            selective_recompute_s=self.forward_s * (1.0 - self.selective_share) if selective else None)

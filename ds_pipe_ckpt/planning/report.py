@@ -1,0 +1,54 @@
+"""A stage's checkpointing plan as the table the planner prints."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .cost_model import ChainCosts
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .stage import PlannedStage
+
+__all__ = ["plan_table"]
+
+MIB = 2**20
+
+
+def _layers(names: list[str]) -> str:
+    """``pipeline layer 3 (Block)`` and ``pipeline layer 4 (Block)`` as ``layers 3-4 (Block, Block)``."""
+    if len(names) == 1:
+        return names[0].removeprefix("pipeline ")
+    first, last = names[0], names[-1]
+    span = f"layers {first.split()[2]}-{last.split()[2]}"
+    classes = ", ".join(name.split("(", 1)[1].rstrip(")") for name in names)
+    return f"{span} ({classes})"
+
+
+def plan_table(planned: "PlannedStage") -> str:
+    """Markdown: one row per segment (layers, decision, MiB held per micro-batch
+    in flight, MiB rebuilt during its backward, recomputation ms per micro-batch),
+    then the predicted peak against the budget."""
+    problem, plan = planned.problem, planned.plan
+    chain = ChainCosts(problem)
+    lines = [
+        f"ds_pipe_ckpt checkpointing plan, pipeline stage {planned.stage} of {planned.num_stages} "
+        f"({planned.in_flight} micro-batch(es) in flight):",
+        "",
+        "| layers | decision | held MiB / micro-batch | rebuilt MiB | recompute ms |",
+        "|---|---|---:|---:|---:|",
+    ]
+    names = planned.layer_names
+    for segment in plan.segments:
+        cost = chain.cost(segment.start, segment.end, segment.decision)
+        lines.append(f"| {_layers(names[segment.start:segment.end])} | {segment.decision.value} "
+                     f"| {cost.held_bytes / MIB:.2f} | {cost.transient_bytes / MIB:.2f} "
+                     f"| {chain.seconds(cost.recompute_units) * 1e3:.2f} |")
+    lines += [
+        "",
+        f"Predicted peak {plan.predicted_peak_bytes / MIB:.2f} MiB of a {planned.budget_bytes / MIB:.2f} MiB budget "
+        f"(of which {problem.base_bytes / MIB:.2f} MiB do not depend on the plan); recomputation "
+        f"{plan.recompute_s * 1e3:.2f} ms per micro-batch.",
+    ]
+    if planned.measured_peak_bytes is not None:
+        lines.append(f"Measured peak of the first planned step: {planned.measured_peak_bytes / MIB:.2f} MiB.")
+    return "\n".join(lines)

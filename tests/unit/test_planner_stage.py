@@ -1,0 +1,217 @@
+"""The planner inside a stage: it measures the layers on the second training
+micro-batch, plans at the next step, follows the plan exactly (gradients equal
+to no checkpointing), prints and exposes it, checks the prediction against the
+measured peak, and names the smallest feasible budget when none fits. The
+budget key is validated like every other. (Several stages under DeepSpeed's
+engine: ``tests/gpt``.)"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
+
+import ds_pipe_ckpt
+from benchmarks.workloads import TransformerBlock
+from ds_pipe_ckpt import CheckpointingConfig, ConfigError
+from ds_pipe_ckpt.planning.cost_model import Decision
+from ds_pipe_ckpt.planning.stage import PlanPredictionWarning
+
+MIB = 2**20
+MICRO_BATCHES = 2
+
+
+def _module(seed=0):
+    torch.manual_seed(seed)
+    layers = [TransformerBlock(32, 4) for _ in range(4)] + [nn.Linear(32, 8)]
+    return ds_pipe_ckpt.PipelineModule(layers=layers, num_stages=1,
+                                       activation_checkpoint_func=ds_checkpointing.non_reentrant_checkpoint)
+
+
+def _batches(steps):
+    generator = torch.Generator().manual_seed(3)
+    return [[torch.randn(4, 16, 32, generator=generator) for _ in range(MICRO_BATCHES)] for _ in range(steps)]
+
+
+def _train(module, batches):
+    """What DeepSpeed's engine does on a stage: forward and backward per
+    micro-batch, then an optimizer step; the gradients of every step."""
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
+    grads = []
+    for step in batches:
+        optimizer.zero_grad(set_to_none=True)
+        for x in step:
+            module(x).pow(2).mean().backward()
+        grads.append([p.grad.clone() for p in module.parameters()])
+        optimizer.step()
+    return grads
+
+
+def _planned(budget_mib, steps=3, capsys=None):
+    ds_pipe_ckpt.configure(use_reentrant=False, memory_budget_mb=budget_mib)
+    module = _module()
+    module.enable_planning(int(budget_mib * MIB), MICRO_BATCHES)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        grads = _train(module, _batches(steps))
+    return module, grads, caught
+
+
+@pytest.mark.parametrize("budget_mib", [0.5, 1.0, 100.0])
+def test_planned_training_reproduces_no_checkpointing_exactly(single_rank_process_group, budget_mib):
+    expected = _train(_module(), _batches(3))
+    module, got, _ = _planned(budget_mib)
+    for step, (a, b) in enumerate(zip(expected, got)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {step} differs"
+    plan = module.checkpoint_plan
+    assert plan is not None and plan.in_flight == 1
+    assert plan.plan.predicted_peak_bytes <= plan.budget_bytes
+
+
+def test_a_generous_budget_checkpoints_nothing_and_a_tight_one_does(single_rank_process_group):
+    roomy, _, _ = _planned(100.0)
+    assert set(roomy.checkpoint_plan.decisions()) == {Decision.STORE}
+    assert roomy.checkpoint_plan.plan.recompute_s == 0
+    tight, _, _ = _planned(0.5)
+    assert set(tight.checkpoint_plan.decisions()) - {Decision.STORE}, "a tight budget must checkpoint something"
+    assert tight.checkpoint_plan.plan.predicted_peak_bytes < roomy.checkpoint_plan.plan.predicted_peak_bytes
+
+
+def test_the_plan_is_printed_and_checked_against_the_measured_peak(single_rank_process_group, capsys):
+    module, _, caught = _planned(0.5)
+    printed = capsys.readouterr().out
+    assert "ds_pipe_ckpt checkpointing plan, pipeline stage 0 of 1 (1 micro-batch(es) in flight):" in printed
+    assert "| layers | decision | held MiB / micro-batch | rebuilt MiB | recompute ms |" in printed
+    assert "of a 0.50 MiB budget" in printed
+    plan = module.checkpoint_plan
+    assert plan.measured_peak_bytes is not None and plan.measured_peak_bytes > 0
+    off = abs(plan.plan.predicted_peak_bytes - plan.measured_peak_bytes) / plan.measured_peak_bytes
+    warned = [w for w in caught if issubclass(w.category, PlanPredictionWarning)]
+    assert bool(warned) == (off > 0.10)
+    if warned:
+        assert "pipeline stage 0's checkpointing plan predicted a peak of" in str(warned[0].message)
+
+
+def test_nothing_is_planned_before_the_stage_was_measured(single_rank_process_group):
+    module, _, _ = _planned(0.5, steps=1)
+    assert module.checkpoint_plan is None
+
+
+def test_the_check_ends_with_the_step_and_leaves_no_profiler_running(single_rank_process_group):
+    module, _, _ = _planned(0.5, steps=2)  # the planned step is the last one
+    assert module.checkpoint_plan.measured_peak_bytes is not None
+    assert not torch.autograd._profiler_enabled()
+
+
+def test_a_step_someone_else_profiles_is_not_checked(single_rank_process_group):
+    from ds_pipe_ckpt.memory import track_memory
+
+    ds_pipe_ckpt.configure(use_reentrant=False, memory_budget_mb=0.5)
+    module = _module()
+    module.enable_planning(MIB // 2, MICRO_BATCHES)
+    batches = _batches(3)
+    _train(module, batches[:1])
+    with track_memory("cpu"):
+        _train(module, batches[1:2])  # planned here, but profiled by the caller
+    assert module.checkpoint_plan is not None and module.checkpoint_plan.measured_peak_bytes is None
+    with warnings.catch_warnings():  # what the check finds is another test's business
+        warnings.simplefilter("ignore", PlanPredictionWarning)
+        _train(module, batches[2:])
+    assert module.checkpoint_plan.measured_peak_bytes is not None
+
+
+def test_no_plan_fits_names_the_smallest_feasible_budget(single_rank_process_group):
+    with pytest.raises(ConfigError, match=r"memory_budget_mb = 0\.001 is invalid: expected at least "
+                                          r"\d+\.\d\d MiB for pipeline stage 0\. No plan keeps this stage's "
+                                          r"predicted peak within the budget"):
+        _planned(0.001)
+
+
+def test_evaluation_forwards_neither_count_nor_checkpoint(single_rank_process_group):
+    ds_pipe_ckpt.configure(use_reentrant=False, memory_budget_mb=0.5)
+    module = _module()
+    module.enable_planning(MIB // 2, MICRO_BATCHES)
+    with torch.no_grad():
+        out = module(torch.randn(4, 16, 32))
+    assert out.grad_fn is None and module.__dict__["_planner"].forwards == 0
+
+
+@pytest.mark.parametrize("value, match", [
+    (0, "a positive number of MiB"), (-3, "a positive number of MiB"), ("64", "a positive number of MiB"),
+    (True, "a positive number of MiB"), ([], "a positive number of MiB"), ([64, -1], "a positive number of MiB"),
+])
+def test_budget_values_are_validated(value, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        CheckpointingConfig.from_ds_config({"pipeline": {"use_reentrant": False},
+                                            "activation_checkpointing": {"memory_budget_mb": value}})
+    assert err.value.key == "activation_checkpointing.memory_budget_mb"
+
+
+def test_budget_needs_the_non_reentrant_mode_and_the_full_policy():
+    with pytest.raises(ConfigError, match="memory_budget_mb = 64 is invalid: expected null unless "
+                                          "pipeline.use_reentrant is false"):
+        CheckpointingConfig.from_ds_config({"activation_checkpointing": {"memory_budget_mb": 64}})
+    with pytest.raises(ConfigError, match="policy = 'selective' is invalid: expected \"full\" \\(the default\\) "
+                                          "with memory_budget_mb"):
+        CheckpointingConfig.from_ds_config({"pipeline": {"use_reentrant": False}, "activation_checkpointing": {
+            "memory_budget_mb": 64, "policy": "selective"}})
+
+
+def test_a_budget_per_stage_must_have_one_number_per_stage():
+    config = CheckpointingConfig.from_ds_config({"pipeline": {"use_reentrant": False},
+                                                 "activation_checkpointing": {"memory_budget_mb": [64, 32]}})
+    assert config.budget_bytes(1, 2) == 32 * MIB
+    with pytest.raises(ConfigError, match=r"memory_budget_mb = \[64, 32\] is invalid: expected one number, or a "
+                                          r"list of 4 \(one per pipeline stage\)"):
+        config.budget_bytes(0, 4)
+
+
+def test_initialize_refuses_a_budget_with_a_uniform_interval_or_another_model(single_rank_process_group):
+    config = {"train_batch_size": 4, "pipeline": {"use_reentrant": False, "activation_checkpoint_interval": 2},
+              "activation_checkpointing": {"memory_budget_mb": 64}}
+    with pytest.raises(ConfigError, match="pipeline.activation_checkpoint_interval = 2 is invalid: expected 0 when "
+                                          "activation_checkpointing.memory_budget_mb is set"):
+        ds_pipe_ckpt.initialize(model=_module(), config=config)
+    config["pipeline"]["activation_checkpoint_interval"] = 0
+    with pytest.raises(ConfigError, match="memory_budget_mb = 64 is invalid: expected null unless the model is a "
+                                          "ds_pipe_ckpt.PipelineModule"):
+        ds_pipe_ckpt.initialize(model=nn.Linear(2, 2), config=config)
+
+
+def test_enable_planning_refuses_the_reentrant_mode_and_an_interval(single_rank_process_group):
+    module = _module()
+    module.activation_checkpoint_func = ds_checkpointing.checkpoint
+    with pytest.raises(ConfigError, match="null unless pipeline.use_reentrant is false"):
+        module.enable_planning(MIB, MICRO_BATCHES)
+    module = _module()
+    module.set_checkpoint_interval(1)
+    with pytest.raises(ConfigError, match="activation_checkpoint_interval = 1 is invalid: expected 0 when"):
+        module.enable_planning(MIB, MICRO_BATCHES)
+
+
+class DivergesOnRecompute(nn.Module):
+    """A layer that must not be checkpointed (seed 003's kind): its second call takes another path."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.calls = nn.Linear(32, 32), 0
+
+    def forward(self, x):
+        self.calls += 1
+        return torch.tanh(self.lin(x)) if self.calls % 2 else torch.sigmoid(self.lin(x))
+
+
+def test_layers_excluded_by_checkpointable_layers_are_never_checkpointed(single_rank_process_group):
+    ds_pipe_ckpt.configure(use_reentrant=False, memory_budget_mb=0.5)
+    torch.manual_seed(0)
+    layers = [TransformerBlock(32, 4), DivergesOnRecompute(), TransformerBlock(32, 4), nn.Linear(32, 8)]
+    module = ds_pipe_ckpt.PipelineModule(layers=layers, num_stages=1, checkpointable_layers=["TransformerBlock"],
+                                         activation_checkpoint_func=ds_checkpointing.non_reentrant_checkpoint)
+    module.enable_planning(int(0.35 * MIB), MICRO_BATCHES)  # the least feasible is 0.31 MiB
+    _train(module, _batches(3))  # a checkpointed DivergesOnRecompute would raise RecomputeMismatchError
+    decisions = module.checkpoint_plan.decisions()
+    assert decisions[1] is Decision.STORE and decisions[3] is Decision.STORE
+    assert Decision.CHECKPOINT in decisions or Decision.SELECTIVE in decisions
