@@ -19,14 +19,14 @@ replaces it with a list of ATen op names.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
-from torch.utils.checkpoint import create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .errors import ConfigError
 
-__all__ = ["DEFAULT_SAVE_OPS", "resolve_ops", "selective_context_fn"]
+__all__ = ["DEFAULT_SAVE_OPS", "resolve_ops", "ops_to_keep", "selective_context_fn"]
 
 # ATen op names (overload packets: every overload is kept). Those this torch
 # build does not have (e.g. cuDNN attention on a CPU-only build) are skipped.
@@ -80,12 +80,28 @@ def resolve_ops(names: Iterable[str], *, key: str = KEY, skip_missing: bool = Fa
     return tuple(ops)
 
 
-@functools.lru_cache(maxsize=None)
-def default_ops() -> tuple[torch._ops.OpOverload, ...]:
-    """:data:`DEFAULT_SAVE_OPS` resolved on this torch build."""
-    return resolve_ops(DEFAULT_SAVE_OPS, skip_missing=True)
+@functools.lru_cache(maxsize=32)
+def ops_to_keep(save_ops: tuple[str, ...] | None) -> tuple[torch._ops.OpOverload, ...]:
+    """The ops whose outputs selective checkpointing keeps: ``save_ops``
+    (``activation_checkpointing.save_ops``) resolved, or, for None,
+    :data:`DEFAULT_SAVE_OPS` as far as this torch build has them."""
+    if save_ops is None:
+        return resolve_ops(DEFAULT_SAVE_OPS, skip_missing=True)
+    return resolve_ops(save_ops)
 
 
+class _KeepOutputsOf:
+    """torch's selective-checkpoint policy: keep the outputs of ``ops``, recompute
+    every other op. Called for every op of the region's forward: a set lookup."""
+
+    def __init__(self, ops: tuple[torch._ops.OpOverload, ...]):
+        self.ops = frozenset(ops)
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in self.ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@functools.lru_cache(maxsize=32)
 def selective_context_fn(ops: tuple[torch._ops.OpOverload, ...]) -> Callable[[], tuple]:
     """A ``context_fn`` for torch's checkpoint that keeps the outputs of ``ops``."""
-    return functools.partial(create_selective_checkpoint_contexts, list(ops))
+    return functools.partial(create_selective_checkpoint_contexts, _KeepOutputsOf(ops))
