@@ -29,14 +29,15 @@ from typing import Iterator
 import numpy as np
 import torch
 import torchvision.transforms as T
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import CIFAR10
+
+from examples.sampling import GlobalBatchSampler
 
 __all__ = [
     "CIFAR10_ENV",
     "CifarData",
     "GeneratedCIFAR10",
-    "GlobalBatchSampler",
     "generate_cifar10_format",
     "generated_root",
     "load_cifar10",
@@ -210,53 +211,6 @@ def load_cifar10(data_dir: str | os.PathLike | None, cache_dir: str | os.PathLik
     dataset = GeneratedCIFAR10(root, train=train, transform=_transform())
     return CifarData(dataset, f"generated CIFAR-10-format {split} data, not CIFAR-10 "
                      f"({len(dataset)} images, seed {seed}) at {root}", True)
-
-
-class GlobalBatchSampler(Sampler[list[int]]):
-    """This data-parallel rank's micro-batches, in training order.
-
-    The sample stream is a seeded permutation of the dataset per epoch. Step
-    ``s`` trains on the next ``micro_batch * grad_accum * dp_size`` samples of
-    that stream whatever the topology: rank ``d`` takes the ``d``-th contiguous
-    share and splits it into ``grad_accum`` micro-batches. So every
-    (pipeline, tensor, data)-parallel layout with the same global batch sees
-    the same samples at the same step.
-    """
-
-    def __init__(self, dataset_size: int, micro_batch: int, grad_accum: int, dp_size: int,
-                 dp_rank: int, steps: int, seed: int = 0):
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank = {dp_rank} is not in [0, dp_size = {dp_size})")
-        for name, value in (("dataset_size", dataset_size), ("micro_batch", micro_batch),
-                            ("grad_accum", grad_accum), ("steps", steps)):
-            if value <= 0:
-                raise ValueError(f"{name} = {value} must be positive")
-        self.dataset_size = dataset_size
-        self.micro_batch, self.grad_accum = micro_batch, grad_accum
-        self.dp_size, self.dp_rank = dp_size, dp_rank
-        self.steps, self.seed = steps, seed
-
-    def __len__(self) -> int:
-        return self.steps * self.grad_accum
-
-    def _stream(self, start: int, count: int) -> list[int]:
-        indices: list[int] = []
-        epoch, offset = divmod(start, self.dataset_size)
-        while len(indices) < count:
-            generator = torch.Generator().manual_seed(self.seed * 100003 + epoch)
-            order = torch.randperm(self.dataset_size, generator=generator)
-            take = order[offset:offset + count - len(indices)]
-            indices.extend(take.tolist())
-            epoch, offset = epoch + 1, 0
-        return indices
-
-    def __iter__(self) -> Iterator[list[int]]:
-        global_batch = self.micro_batch * self.grad_accum * self.dp_size
-        share = self.micro_batch * self.grad_accum
-        for step in range(self.steps):
-            mine = self._stream(step * global_batch + self.dp_rank * share, share)
-            for m in range(self.grad_accum):
-                yield mine[m * self.micro_batch:(m + 1) * self.micro_batch]
 
 
 def micro_batches(dataset: Dataset, sampler: GlobalBatchSampler) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -44,7 +44,9 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology  # noq
 from tqdm import tqdm  # noqa: E402
 
 import ds_pipe_ckpt  # noqa: E402
-from examples.cifar10.data import CifarData, GlobalBatchSampler, load_cifar10, micro_batches  # noqa: E402
+from examples.cifar10.data import CifarData, load_cifar10, micro_batches  # noqa: E402
+from examples.launching import add_launch_arguments, check_launch_arguments, save_parameters  # noqa: E402
+from examples.sampling import GlobalBatchSampler  # noqa: E402
 from examples.cifar10.model import ALEXNET_CHANNELS, alexnet_layers  # noqa: E402
 from examples.cifar10.report import RunResult, summary_line, write_outputs  # noqa: E402
 from examples.cifar10.tensor_parallel import seed_model_parallel_rng  # noqa: E402
@@ -55,21 +57,13 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--deepspeed_config", nargs="+", required=True, metavar="JSON",
-                        help="DeepSpeed config(s); several are trained one after the other")
-    parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
-                        help="set by the deepspeed launcher")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    add_launch_arguments(parser, steps=100, out_dir="runs/cifar10")
     parser.add_argument("--mp", type=int, default=1, help="tensor-parallel size of the classifier head")
-    parser.add_argument("--steps", type=int, default=100, help="optimizer steps per config")
     parser.add_argument("--data-dir", default=None,
                         help="torchvision CIFAR-10 root (holding cifar-10-batches-py); default "
                         "$CIFAR10_DATASET_PATH, else generated CIFAR-10-format data")
     parser.add_argument("--cache-dir", default=str(REPO_ROOT / ".cache" / "cifar10"),
                         help="where generated data is written")
-    parser.add_argument("--seed", type=int, default=0, help="initial weights and data order")
-    parser.add_argument("--dropout-seed", type=int, default=None,
-                        help="seed of the model-parallel RNG tracker (dropout masks); default --seed")
     parser.add_argument("--channels", type=int, nargs=5, default=list(ALEXNET_CHANNELS),
                         help="output channels of the five convolutions")
     parser.add_argument("--hidden", type=int, default=256, help="hidden width of the classifier head")
@@ -78,17 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="label smoothing of the cross-entropy loss")
     parser.add_argument("--partition-method", default="parameters",
                         help="PipelineModule partition_method")
-    parser.add_argument("--out-dir", default="runs/cifar10", help="where rank 0 writes its outputs")
-    parser.add_argument("--save-params", action="store_true",
-                        help="every rank saves its final parameters to OUT_DIR/params/RUN/rank{R}.pt")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    for name in ("pp", "mp", "steps"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    names = [Path(path).stem for path in args.deepspeed_config]
-    if len(set(names)) != len(names):
-        parser.error(f"the --deepspeed_config file names must differ (runs are named after them): {names}")
+    check_launch_arguments(parser, args)
     return args
 
 
@@ -173,10 +158,7 @@ def train_one(config_path: str, args: argparse.Namespace, layout: Layout, data: 
     bar.close()
 
     if args.save_params:
-        folder = Path(args.out_dir) / "params" / result.name
-        folder.mkdir(parents=True, exist_ok=True)
-        state = {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
-        torch.save(state, folder / f"rank{layout.rank}.pt")
+        save_parameters(module, args.out_dir, result.name, layout.rank)
     if layout.rank == 0:
         print(summary_line(result, str(layout), data.kind, global_batch), flush=True)
     del engine, module

@@ -41,15 +41,16 @@ deviation, so different dropout histories end at nearly the same loss.
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 from ds_pipe_ckpt.testing import LaunchFailure, deepspeed_launch
+from example_launches import LaunchCache, LaunchOutputs
 
 from examples.cifar10.data import generate_cifar10_format
 
@@ -85,64 +86,25 @@ def configs_for(topology: tuple[int, int, int]) -> list[Path]:
     return [CONFIG_DIR / f"{name}.json" for name in names]
 
 
-@dataclass
-class TopologyRun:
-    """The outputs of one launch."""
-
-    topology: tuple[int, int, int]
-    summary: dict
-    out_dir: Path
-
-    def run(self, name: str) -> dict:
-        for run in self.summary["runs"]:
-            if run["name"] == name:
-                return run
-        raise KeyError(f"{topology_id(self.topology)}: no run named {name!r}; ran "
-                       f"{[r['name'] for r in self.summary['runs']]}")
-
-    def losses(self, name: str) -> list[float]:
-        return self.run(name)["losses"]
-
-    def params(self, name: str, rank: int) -> dict[str, torch.Tensor]:
-        return torch.load(self.out_dir / "params" / name / f"rank{rank}.pt", weights_only=True)
-
-
-class Launches:
-    """One launch per topology, on first use; failures are kept and re-raised."""
-
-    def __init__(self, root: Path, cache_dir: Path):
-        self.root, self.cache_dir = root, cache_dir
-        self._done: dict[tuple[int, int, int], TopologyRun | LaunchFailure] = {}
-
-    def get(self, topology: tuple[int, int, int]) -> TopologyRun:
-        if topology not in self._done:
-            try:
-                self._done[topology] = self._launch(topology)
-            except LaunchFailure as failure:
-                self._done[topology] = failure
-        outcome = self._done[topology]
-        if isinstance(outcome, LaunchFailure):
-            raise outcome
-        return outcome
-
-    def _launch(self, topology: tuple[int, int, int]) -> TopologyRun:
-        pp, mp, dp = topology
-        folder = self.root / topology_id(topology)
-        out_dir = folder / "out"
-        args = ["--pp", str(pp), "--mp", str(mp), "--steps", str(STEPS), "--seed", str(SEED), *MODEL_ARGS,
-                "--cache-dir", str(self.cache_dir), "--out-dir", str(out_dir), "--save-params", "--no-progress",
-                "--deepspeed_config", *map(str, configs_for(topology))]
-        deepspeed_launch(TRAIN_SCRIPT, pp * mp * dp, args, folder / "logs", timeout=LAUNCH_TIMEOUT, cwd=REPO_ROOT)
-        return TopologyRun(topology, json.loads((out_dir / "summary.json").read_text()), out_dir)
+def launch_topology(root: Path, cache_dir: Path, topology: tuple[int, int, int]) -> LaunchOutputs:
+    """One ``deepspeed`` launch training every config of ``topology``."""
+    pp, mp, dp = topology
+    folder = root / topology_id(topology)
+    out_dir = folder / "out"
+    args = ["--pp", str(pp), "--mp", str(mp), "--steps", str(STEPS), "--seed", str(SEED), *MODEL_ARGS,
+            "--cache-dir", str(cache_dir), "--out-dir", str(out_dir), "--save-params", "--no-progress",
+            "--deepspeed_config", *map(str, configs_for(topology))]
+    deepspeed_launch(TRAIN_SCRIPT, pp * mp * dp, args, folder / "logs", timeout=LAUNCH_TIMEOUT, cwd=REPO_ROOT)
+    return LaunchOutputs(topology_id(topology), json.loads((out_dir / "summary.json").read_text()), out_dir)
 
 
 @pytest.fixture(scope="session")
-def launches(tmp_path_factory) -> Launches:
+def launches(tmp_path_factory) -> LaunchCache:
     root = tmp_path_factory.mktemp("cifar10")
     # Generated once, before the first launch.
     cache_dir = root / "data"
     generate_cifar10_format(cache_dir, seed=SEED)
-    return Launches(root, cache_dir)
+    return LaunchCache(functools.partial(launch_topology, root, cache_dir))
 
 
 def _mode_cases():

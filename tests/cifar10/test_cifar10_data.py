@@ -12,7 +12,8 @@ import torch
 from torchvision.datasets import CIFAR10
 from torchvision.transforms import PILToTensor
 
-from examples.cifar10.data import (CIFAR10_ENV, GeneratedCIFAR10, GlobalBatchSampler, generate_cifar10_format,
+from examples.sampling import GlobalBatchSampler
+from examples.cifar10.data import (CIFAR10_ENV, GeneratedCIFAR10, generate_cifar10_format,
                                    load_cifar10, micro_batches)
 
 SIZES = {"train_size": 500, "test_size": 200}
