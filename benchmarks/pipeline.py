@@ -1,0 +1,189 @@
+"""Peak memory of every pipeline stage and step time, per activation-checkpointing
+mode, in DeepSpeed's PipelineEngine on the GPT example model.
+
+Run from the repository root::
+
+    python -m benchmarks.pipeline [--quick] [--json PATH] [--png PATH] [--dim D] [--context T] [--blocks N]
+    python -m benchmarks.pipeline --budget 0.3 0.5 0.75 [...]   # also the planner against uniform intervals
+
+For each pipeline depth (pp=2; also pp=4 without ``--quick``) and mode
+(:mod:`benchmarks.pipeline_modes`: none, reentrant, non_reentrant, selective,
+partitioned at mp=2, cpu_offload), every rank runs ``engine.train_batch()``
+with gradient accumulation 2 x pp and reports the peak memory of one step
+above what was allocated when it began (:mod:`ds_pipe_ckpt.memory`) and its
+median step time. Under DeepSpeed's 1F1B schedule stage ``s`` holds the
+forward state of ``min(pp - s, micro-batches)`` micro-batches, so the first
+stage peaks highest; the tables show that imbalance and what each mode does
+to it. Ranks run in local processes (``ds_pipe_ckpt.testing.run_ranks``), one
+launch per world size. On CUDA when available, else CPU (gloo).
+
+With ``--budget F ...`` it also runs, per depth and fraction F, the planner
+under budgets of F times each stage's peak without checkpointing (``planned``)
+and finds the fastest uniform ``activation_checkpoint_interval`` that fits the
+same budgets (``uniform_best``): :mod:`benchmarks.pipeline_budget`. With
+``--png P`` a second plot, ``P`` with ``-budget`` before its suffix, shows step
+time against budget.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Keep the profiler's (kineto's) log lines, levels 0-5, out of the report; read
+# when the profiler first starts.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import itertools  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Sequence  # noqa: E402
+
+import torch  # noqa: E402
+
+from ds_pipe_ckpt.testing import RankFailure, run_ranks  # noqa: E402
+from examples.gpt.data import load_corpus  # noqa: E402
+
+from .checkpointing import machine_info  # noqa: E402
+from .pipeline_budget import (PLANNED, BudgetOutcome, budget_records, planned_mode, stage_budgets,  # noqa: E402
+                              uniform_best, uniform_modes)
+from .pipeline_modes import PRESETS, Layout, PipelineMode, Preset, layouts, modes  # noqa: E402
+from .pipeline_rank import measure_layouts, model_description  # noqa: E402
+from .pipeline_report import markdown, summarize, write_budget_png, write_json, write_png  # noqa: E402
+
+__all__ = ["main"]
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Seconds per launch before its ranks are killed (the full run's 8-rank launch
+# takes a few minutes on 2 busy cores).
+LAUNCH_TIMEOUT = 1200
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.pipeline", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_const", dest="preset", const="quick", default="full",
+                        help="pp=2 only, fewer timed steps (about a minute on 2 CPU cores)")
+    parser.add_argument("--json", metavar="PATH", help="write every per-rank record to PATH")
+    parser.add_argument("--png", metavar="PATH", help="plot peak memory per stage and mode to PATH")
+    parser.add_argument("--cache-dir", default=str(REPO_ROOT / ".cache" / "gpt"),
+                        help="where the GPT example's corpus is cached")
+    for name in ("dim", "context", "blocks", "heads"):
+        parser.add_argument(f"--{name}", type=int, help=f"model {name} (default: the benchmark preset's)")
+    parser.add_argument("--budget", type=float, nargs="+", metavar="F",
+                        help="also run the planner with each stage's budget F x its peak without checkpointing, "
+                             "against the best uniform interval that fits (e.g. --budget 0.3 0.5 0.75)")
+    return parser
+
+
+def _preset(args: argparse.Namespace) -> Preset:
+    """The named preset, with the model sizes given on the command line."""
+    preset = PRESETS[args.preset]
+    sizes = {name: getattr(args, name) for name in ("dim", "context", "blocks", "heads")
+             if getattr(args, name) is not None}
+    return dataclasses.replace(preset, model=dataclasses.replace(preset.model, **sizes)) if sizes else preset
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        preset = _preset(args)
+    except ValueError as error:  # GPTConfig names the bad size
+        parser.error(str(error))
+    mode_list = modes()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cores = os.cpu_count() or 1
+    machine = machine_info(device, torch.get_num_threads())
+    machine.update(command=" ".join(["python -m benchmarks.pipeline", *argv]), preset=args.preset,
+                   model=model_description(preset.model), micro_batch=preset.micro_batch,
+                   warmup_steps=preset.warmup_steps, timed_steps=preset.timed_steps,
+                   cpu_allocation_tracking=device.type == "cpu")
+    load_corpus(args.cache_dir)  # written once here, read by every rank
+
+    start = time.perf_counter()
+    records = _launch(layouts(preset, mode_list), preset, args.cache_dir, device, cores, mode_list)
+    if args.budget:
+        records += _budget_rows(args.budget, preset, records, args.cache_dir, device, cores)
+    machine["load_average_at_end"] = os.getloadavg()
+    machine["wall_s"] = round(time.perf_counter() - start, 1)
+
+    print(markdown(records, machine, {m.name: m.description + (f" (mp={m.mp})" if m.mp > 1 else "")
+                                      for m in mode_list}), end="")
+    print(f"Load average (1, 5, 15 min): {machine['load_average_at_start']} at start, "
+          f"{machine['load_average_at_end']} at end; {machine['wall_s']} s.")
+    if args.json:
+        write_json(args.json, records, machine)
+    if args.png:
+        write_png(args.png, records, machine, [m.name for m in mode_list])
+        if args.budget:
+            png = Path(args.png)
+            write_budget_png(str(png.with_name(f"{png.stem}-budget{png.suffix}")), records, machine)
+    return 0
+
+
+def _launch(plan: list[Layout], preset: Preset, cache_dir: str, device: torch.device, cores: int,
+            mode_list: Sequence[PipelineMode]) -> list[dict]:
+    """Measure every layout of ``plan``, one launch of rank processes per world size."""
+    records: list[dict] = []
+    for world_size, group in itertools.groupby(sorted(plan, key=lambda l: l.world_size), key=lambda l: l.world_size):
+        group = list(group)
+        if device.type == "cuda" and world_size > torch.cuda.device_count():
+            records += [{"pp": l.pp, "mp": l.mp, "mode": name, "rank": None,
+                         "unavailable": f"needs {world_size} GPUs, {torch.cuda.device_count()} visible"}
+                        for l in group for name in l.modes]
+            continue
+        threads = max(1, cores // world_size)
+        print(f"benchmarks.pipeline: {world_size} ranks, {threads} thread(s) each: "
+              + "; ".join(f"pp={l.pp} x mp={l.mp}: {', '.join(l.modes)}" for l in group), file=sys.stderr, flush=True)
+        per_rank = run_ranks(measure_layouts, world_size, group, preset, cache_dir, threads, tuple(mode_list),
+                             timeout=LAUNCH_TIMEOUT, backend="nccl" if device.type == "cuda" else "gloo",
+                             threads=threads)
+        rank_records = [r for rank in per_rank for r in rank]
+        # One "unavailable" entry per mode, not per rank.
+        records += [r for r in rank_records if "unavailable" not in r or r["rank"] == 0]
+    return records
+
+
+def _budget_rows(fractions: Sequence[float], preset: Preset, records: list[dict], cache_dir: str,
+                 device: torch.device, cores: int) -> list[dict]:
+    """``planned`` and ``uniform_best`` rows for every depth and budget fraction."""
+    rows: list[dict] = []
+    for pp in preset.pipeline_depths:
+        none = next((s for s in summarize(records) if (s.pp, s.mp, s.mode, s.budget_fraction) == (pp, 1, "none", None)),
+                    None)
+        if none is None:
+            continue
+        # Uniform intervals over the blocks of the most loaded stage, plus the two
+        # embedding (or final norm and head) layers a stage at either end holds.
+        candidates = uniform_modes(-(-preset.model.blocks // pp) + 2)
+        uniform_records = _launch([Layout(pp, 1, tuple(m.name for m in candidates))], preset, cache_dir, device,
+                                  cores, candidates)
+        measured = [s for s in summarize(uniform_records)] + [none]
+        for fraction in fractions:
+            outcome = BudgetOutcome(pp, fraction, stage_budgets(none, fraction))
+            mode = planned_mode(outcome.budgets, fraction)
+            try:
+                outcome.planned = _launch([Layout(pp, 1, (PLANNED,))], preset, cache_dir, device, cores, (mode,))
+            except RankFailure as failure:  # no plan fits: the planner named the least budget
+                outcome.infeasible = _root_error(str(failure))
+            outcome.uniform = uniform_best(measured, outcome.budgets)
+            if outcome.uniform is not None:
+                source = records if outcome.uniform.mode == "none" else uniform_records
+                outcome.uniform_records = [r for r in source if r["pp"] == pp and r["mode"] == outcome.uniform.mode
+                                           and "unavailable" not in r]
+            rows += budget_records(outcome)
+    return rows
+
+
+def _root_error(report: str) -> str:
+    """The first error line of the ranks' tracebacks (the first rank to fail
+    reports first; its peers then fail with lost connections)."""
+    lines = [line.strip() for line in report.splitlines() if "Error: " in line and not line.startswith(" ")]
+    return lines[0] if lines else report.strip().splitlines()[-1]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""One rank's side of ``python -m benchmarks.pipeline``: build the GPT pipeline
+engine for every mode of a layout, measure the memory of one
+``engine.train_batch()`` and time several.
+
+Run in rank processes by :func:`ds_pipe_ckpt.testing.run_ranks` (one launch
+per world size). For each layout (pipeline topology) the engines of all its
+modes are built, warmed up and measured one after the other, then kept alive
+while the timed steps go round-robin over them, so that a change in machine
+load hits every mode alike. The activation-checkpointing settings are global
+(``ds_pipe_ckpt.configure``), so each engine's are applied again before each of
+its steps, as ``ds_pipe_ckpt.initialize`` applied them when it was built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+import ds_pipe_ckpt
+from ds_pipe_ckpt.memory import MemoryReport, track_cpu_allocations, track_memory
+from examples.sampling import GlobalBatchSampler
+from examples.gpt.data import Corpus, load_corpus, micro_batches
+from examples.gpt.engine import build_engine, pipeline_topology
+from examples.gpt.model import GPTConfig
+
+from .pipeline_modes import Layout, PipelineMode, Preset, base_config, merge_config, micro_batches_in_flight
+from .pipeline_modes import modes as all_modes
+
+__all__ = ["measure_layouts", "model_description"]
+
+
+def model_description(model: GPTConfig) -> str:
+    """The ``model`` field of the JSON records."""
+    return (f"gpt d={model.dim} heads={model.heads} blocks={model.blocks} context={model.context} "
+            f"vocab={model.vocab_size} dropout={model.dropout}")
+
+
+@dataclass
+class _Run:
+    """One mode's engine in one layout, and what was measured of it."""
+
+    mode: PipelineMode
+    config: dict
+    engine: Any
+    batches: Iterator
+    memory: MemoryReport | None = None
+    samples_s: list[float] = field(default_factory=list)
+
+    def activate(self) -> None:
+        """Put this engine's checkpointing settings in force."""
+        ds_pipe_ckpt.configure(mpu=self.engine.module.mpu(), deepspeed_config=self.config)
+
+    def step(self) -> None:
+        self.engine.train_batch(data_iter=self.batches)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _build_run(mode: PipelineMode, layout: Layout, preset: Preset, corpus: Corpus) -> _Run:
+    config = merge_config(base_config(preset, layout.pp), mode.config)
+    topology = pipeline_topology(dist.get_world_size(), layout.pp, layout.mp)
+    engine = build_engine(config, preset.model, topology, seed=0)
+    warmup = preset.warmup_steps if mode.warmup_steps is None else mode.warmup_steps
+    steps = warmup + 1 + preset.timed_steps
+    sampler = GlobalBatchSampler(corpus.num_windows(preset.model.context), preset.micro_batch,
+                                 engine.gradient_accumulation_steps(), 1, 0, steps, seed=0)
+    return _Run(mode, config, engine, micro_batches(corpus, sampler, preset.model.context))
+
+
+def _plan_fields(engine: Any) -> dict:
+    """The planner's prediction and decisions for the stage, when it planned."""
+    plan = getattr(engine.module, "checkpoint_plan", None)
+    if plan is None:
+        return {}
+    return {"predicted_peak_bytes": plan.plan.predicted_peak_bytes,
+            "planner_measured_peak_bytes": plan.measured_peak_bytes,
+            "plan": [(s.start, s.end, s.decision.value) for s in plan.plan.segments],
+            "plan_recompute_s": plan.plan.recompute_s}
+
+
+def _records(layout: Layout, preset: Preset, runs: Sequence[_Run], threads: int) -> list[dict]:
+    records = []
+    for run in runs:
+        engine = run.engine
+        accumulation = engine.gradient_accumulation_steps()
+        records.append(_plan_fields(engine) | {
+            "model": model_description(preset.model),
+            "pp": layout.pp,
+            "mp": layout.mp,
+            "dp": 1,
+            "mode": run.mode.name,
+            "stage": engine.stage_id,
+            "rank": dist.get_rank(),
+            "peak_bytes": run.memory.peak_bytes,
+            "step_net_bytes": run.memory.final_bytes,
+            "step_time_s": statistics.median(run.samples_s),
+            "step_times_s": list(run.samples_s),
+            "micro_batches": accumulation,
+            "micro_batch_size": preset.micro_batch,
+            "micro_batches_in_flight": micro_batches_in_flight(layout.pp, engine.stage_id, accumulation),
+            "tokens_per_step": preset.micro_batch * accumulation * preset.model.context,
+            "device": str(engine.device),
+            "torch_threads": threads,
+            "config": run.config,
+        })
+    return records
+
+
+def _measure_layout(layout: Layout, preset: Preset, corpus: Corpus, threads: int,
+                    mode_list: Sequence[PipelineMode]) -> list[dict]:
+    runs, unavailable = [], []
+    for mode in (m for m in mode_list if m.name in layout.modes):
+        try:
+            run = _build_run(mode, layout, preset, corpus)
+        except (ds_pipe_ckpt.ConfigError, NotImplementedError) as error:  # e.g. a key not known yet
+            unavailable.append({"pp": layout.pp, "mp": layout.mp, "mode": mode.name, "rank": dist.get_rank(),
+                                "unavailable": str(error)})
+            continue
+        run.activate()
+        for _ in range(preset.warmup_steps if mode.warmup_steps is None else mode.warmup_steps):
+            run.step()
+        gc.collect()  # no garbage of earlier steps or engines freed inside the measured step
+        with track_memory(run.engine.device) as tracker:
+            run.step()
+        run.memory = tracker.report
+        runs.append(run)
+    for _ in range(preset.timed_steps):
+        for run in runs:
+            run.activate()
+            dist.barrier()
+            _synchronize(run.engine.device)
+            start = time.perf_counter()
+            run.step()
+            _synchronize(run.engine.device)
+            run.samples_s.append(time.perf_counter() - start)
+    records = _records(layout, preset, runs, threads) + unavailable
+    runs.clear()
+    gc.collect()
+    return records
+
+
+def measure_layouts(layouts: Sequence[Layout], preset: Preset, cache_dir: str, threads: int,
+                    mode_list: Sequence[PipelineMode] | None = None) -> list[dict]:
+    """This rank's records for every layout (all of the launch's world size):
+    one per mode measured, plus one ``{"unavailable": message, ...}`` per mode
+    whose config ``ds_pipe_ckpt.initialize`` rejected. The layouts name their
+    modes among ``mode_list`` (default: :func:`benchmarks.pipeline_modes.modes`).
+    Run by ``run_ranks``."""
+    mode_list = all_modes() if mode_list is None else mode_list
+    torch.set_num_threads(threads)
+    if not torch.cuda.is_available():
+        track_cpu_allocations()  # before any engine exists: its frees are then counted exactly
+    corpus = load_corpus(cache_dir)  # built by the parent process
+    records = []
+    # DeepSpeed prints its pipeline layout on stdout: keep the report there clean.
+    with contextlib.redirect_stdout(sys.stderr):
+        for layout in layouts:
+            if layout.world_size != dist.get_world_size():
+                raise ValueError(f"layout pp={layout.pp} x mp={layout.mp} needs {layout.world_size} ranks, "
+                                 f"this launch has {dist.get_world_size()}")
+            records += _measure_layout(layout, preset, corpus, threads, mode_list)
+    ds_pipe_ckpt.configure()
+    return records
