@@ -1,6 +1,10 @@
 # Two entry points, both installing everything they need into .venv first:
 #   make test     - the test suite (what CI runs)
 #   make cifar10  - the CIFAR-10 pipeline example on CPU, 8 ranks (pp=2 x mp=2 x dp=2)
+# and more, the same way:
+#   make gpt             - the GPT pipeline example on CPU (pp=2): none, non-reentrant, selective, planned
+#   make benchmark       - python -m benchmarks.checkpointing (one stage, every path, beside upstream and torch)
+#   make benchmark-pipeline - python -m benchmarks.pipeline --budget 0.3 0.5 0.75 (per stage, in the engine)
 
 PYTHON ?= python3
 VENV := .venv
@@ -8,7 +12,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: install test cifar10 benchmark
+.PHONY: install test cifar10 gpt benchmark benchmark-pipeline
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -26,5 +30,11 @@ test: $(STAMP)
 cifar10: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash examples/cifar10/run_cpu.sh
 
+gpt: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash examples/gpt/run_cpu.sh
+
 benchmark: $(STAMP)
 	$(PY) -m benchmarks.checkpointing
+
+benchmark-pipeline: $(STAMP)
+	$(PY) -m benchmarks.pipeline --budget 0.3 0.5 0.75
