@@ -27,6 +27,7 @@ Two modes, chosen by ``pipeline.use_reentrant`` / ``use_reentrant=``:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -78,7 +79,14 @@ def checkpoint_non_reentrant(function: Callable[..., Any], args: tuple, kwarg_na
     extra = {}
     if options.respect_saved_tensors_hooks is not None:
         extra["respect_saved_tensors_hooks"] = options.respect_saved_tensors_hooks
-    with SavedInputs(region, placement):
+    # Our input hooks are needed to learn about a region, to recompute one that
+    # modifies its input from a private copy, and to hand the inputs to a
+    # placement. Otherwise torch saves the inputs itself, and its version check
+    # (renamed by the probe to name the region) refuses a modified one.
+    facts = region.facts
+    inputs = SavedInputs(region, placement) if placement is not None or not facts.learned or facts.mutates_inputs \
+        else contextlib.nullcontext()
+    with inputs:
         # verify compares every op of the recomputation: it must run to the end.
         return torch_checkpoint.checkpoint(call, *args, use_reentrant=False,
                                            preserve_rng_state=options.preserve_rng_state,

@@ -38,9 +38,20 @@ import torch
 from .errors import InPlaceInputError
 from .hooks import TransparentHooks
 from .placement.runtime import RegionPlacement
+from .recompute import modified_input
 from .regions import Region
 
-__all__ = ["SavedInputs"]
+__all__ = ["SavedInputs", "unexpected_modification"]
+
+
+def unexpected_modification(region: Region, positions: list[int]) -> InPlaceInputError:
+    """The error for a region that modified inputs in place during a forward
+    although its first call did not: no copy of their values was kept."""
+    return InPlaceInputError(
+        f"Checkpointed {region} modified its tensor input(s) {positions} in place during its forward, which "
+        "its first call did not do, so no copy of the values it started from was kept and it cannot be "
+        "recomputed. Make the in-place op out-of-place (e.g. nn.ReLU(inplace=False), x = x * s instead of "
+        "x.mul_(s)), or modify the input in place on every call, not only on some.")
 
 
 @dataclass(eq=False)
@@ -95,12 +106,7 @@ class SavedInputs(TransparentHooks):
         modified = [i for i, entry in enumerate(self._inputs) if entry.tensor._version != entry.version]
         unrecoverable = [i for i in modified if self._inputs[i].private is None]
         if unrecoverable:
-            raise InPlaceInputError(
-                f"Checkpointed {self._region} modified its tensor input(s) {unrecoverable} in place during its "
-                f"forward, which its first call did not do, so no copy of the values it started from was "
-                "kept and it cannot be recomputed. Make the in-place op out-of-place (e.g. "
-                "nn.ReLU(inplace=False), x = x * s instead of x.mul_(s)), or modify the input in place on "
-                "every call, not only on some.")
+            raise unexpected_modification(self._region, unrecoverable)
         if not facts.learned:
             facts.mutated_inputs = frozenset(modified)
         for i, entry in enumerate(self._inputs):
@@ -129,10 +135,5 @@ class SavedInputs(TransparentHooks):
             return entry.private
         tensor = entry.tensor
         if tensor._version != entry.version:
-            raise InPlaceInputError(
-                f"The input of checkpointed {self._region} was modified in place after its forward "
-                f"(version {entry.version} -> {tensor._version}), before it was recomputed; the "
-                "recomputation would see different values. Typically a later layer changes, in "
-                "place, a tensor this region received and passed on. Make that op out-of-place "
-                "(e.g. inplace=False, x = x + y instead of x += y) or clone the tensor first.")
+            raise modified_input(self._region, f"version {entry.version} -> {tensor._version}")
         return tensor

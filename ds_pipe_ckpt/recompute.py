@@ -44,7 +44,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .errors import RecomputeMismatchError
+from .errors import InPlaceInputError, RecomputeMismatchError
 from .hooks import TransparentHooks, top_hooks
 from .regions import Region
 
@@ -81,6 +81,19 @@ def _first_line(error: BaseException) -> str:
 # The end of the RuntimeError torch's selective checkpointing raises when a
 # recomputation runs an op the forward did not (torch >= 2.5).
 _SELECTIVE_MISMATCH = getattr(torch_checkpoint, "_SAC_MISMATCH_MSG", None)
+
+
+# What torch's autograd says when a tensor it saved was modified in place since.
+_INPUT_MODIFIED = "modified by an inplace operation"
+
+
+def modified_input(region: Region, detail: str) -> InPlaceInputError:
+    """The error for an input of ``region`` modified in place after its forward."""
+    return InPlaceInputError(
+        f"The input of checkpointed {region} was modified in place after its forward ({detail}), before it "
+        "was recomputed; the recomputation would see different values. Typically a later layer changes, in "
+        "place, a tensor this region received and passed on. Make that op out-of-place (e.g. inplace=False, "
+        "x = x + y instead of x += y) or clone the tensor first.")
 
 
 def renamed(region: Region, error: BaseException) -> RecomputeMismatchError | None:
@@ -153,13 +166,17 @@ class SavedTensorProbe:
             # result there, outside the region's function: name the region here.
             try:
                 return torch_unpack(handle)
+            except (InPlaceInputError, RecomputeMismatchError):
+                raise
             except torch_checkpoint.CheckpointError as error:
-                if isinstance(error, RecomputeMismatchError):
-                    raise
                 if isinstance(error.__cause__, RecomputeMismatchError):
                     # torch's debug mode wrapped ours: keep our message, add its op traces.
                     raise RecomputeMismatchError(f"{error.__cause__}\n\ntorch's debug report:\n{error}") from error
                 raise mismatch(region, _first_line(error)) from error
+            except RuntimeError as error:
+                if _INPUT_MODIFIED in str(error):  # autograd's version check of a saved input
+                    raise modified_input(region, _first_line(error)) from error
+                raise
 
         return TransparentHooks(pack, unpack)
 

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
+
+from .inputs import unexpected_modification
 from .placement.runtime import RegionPlacement
 from .recompute import OpTrace, SavedTensorProbe, renamed, require_tensor_output
 from .regions import Region
@@ -93,7 +96,16 @@ class RegionCall:
         if self.tracker is not None:
             # get_states() copies the dict; fork() replaces entries, never mutates them.
             self.tracker_states = self.tracker.get_states()
+        facts = self.region.facts
+        # A region known to leave its inputs alone has no private copies
+        # (ds_pipe_ckpt.inputs): if it modifies one now, say so here.
+        watch = facts.learned and not facts.mutates_inputs and torch.is_grad_enabled()
+        tensors = [a for a in args if isinstance(a, torch.Tensor)] if watch else []
+        versions = [t._version for t in tensors]
         out = self.probe.run_forward(self._forward_run(), args)
+        modified = [i for i, (t, version) in enumerate(zip(tensors, versions)) if t._version != version]
+        if modified:
+            raise unexpected_modification(self.region, modified)
         require_tensor_output(out, self.region)
         return out
 

@@ -48,12 +48,16 @@ class CheckpointingSettings:
     regions: RegionRegistry = field(default_factory=RegionRegistry, repr=False, compare=False)
     # Resolved per-call options, by the keywords they were resolved from.
     _options: dict = field(default_factory=dict, repr=False, compare=False)
+    # State the checkpoints of this configuration share (buffer pool, profile
+    # records): a ds_pipe_ckpt.placement.runtime.CheckpointRuntime, created on first use.
+    runtime: Any = field(default=None, repr=False, compare=False)
 
     def options(self, **keywords: Any) -> CheckpointOptions:
-        """:meth:`CheckpointOptions.resolve` of ``keywords`` under this
-        configuration, cached (it runs on every checkpointed call)."""
+        """:meth:`CheckpointOptions.resolve` of ``keywords`` (``None``: as
+        configured) under this configuration, cached: it runs on every
+        checkpointed call."""
         # Types too: True and 1 are equal keys, and only one of them is valid.
-        key = tuple((name, type(value), value) for name, value in keywords.items())
+        key = tuple((name, type(value), value) for name, value in keywords.items() if value is not None)
         try:
             return self._options[key]
         except KeyError:
@@ -64,9 +68,6 @@ class CheckpointingSettings:
         if len(self._options) > 64:  # e.g. a new context_fn per call
             self._options.pop(next(iter(self._options)))
         return options
-    # State the checkpoints of this configuration share (buffer pool, profile
-    # records): a ds_pipe_ckpt.placement.runtime.CheckpointRuntime, created on first use.
-    runtime: Any = field(default=None, repr=False, compare=False)
 
     def warn_once(self, key: str, message: str, category: type[Warning] = UserWarning) -> None:
         """Issue ``message`` the first time ``key`` is seen under this configuration."""
