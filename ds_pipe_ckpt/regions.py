@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 
@@ -118,8 +119,9 @@ def describe_callable(function: Callable[..., Any]) -> str:
     return getattr(target, "__qualname__", None) or target.__name__
 
 
-def region_key(function: Callable[..., Any]) -> Hashable:
-    """A key that is the same on every call of the same region.
+def region_key(function: Callable[..., Any]) -> tuple[Hashable, tuple[Any, ...]]:
+    """A key that is the same on every call of the same region, and the objects
+    it stands for (the key holds only their identities).
 
     A module: the module. A bound method or a partial of a method: the function
     and the object. A plain function: its code and the identities of the objects
@@ -127,44 +129,56 @@ def region_key(function: Callable[..., Any]) -> Hashable:
     call is recognised as long as ``layer`` is the same object.
     """
     if isinstance(function, nn.Module):  # the common case, on every call: no unwrapping
-        return ("object", id(function), None)
+        return ("object", id(function), None), (function, )
     target, instance = _unwrap(function)
     code = getattr(target, "__code__", None)
     if code is not None:
-        cells = getattr(target, "__closure__", None) or ()
         captured = []
-        for cell in cells:
+        for cell in getattr(target, "__closure__", None) or ():
             try:
-                captured.append(id(cell.cell_contents))
+                captured.append(cell.cell_contents)
             except ValueError:  # an empty cell
                 captured.append(None)
-        return ("function", code, tuple(captured), id(instance) if instance is not None else None)
-    return ("object", id(target), id(instance) if instance is not None else None)
+        key = ("function", code, tuple(map(id, captured)), id(instance) if instance is not None else None)
+        return key, (*captured, instance)
+    return ("object", id(target), id(instance) if instance is not None else None), (target, instance)
+
+
+def _weak(value: Any) -> Callable[[], Any] | None:
+    """A weak reference to ``value``, or None for objects that take none (ints, None, ...)."""
+    try:
+        return weakref.ref(value)
+    except TypeError:
+        return None
 
 
 class RegionRegistry:
-    """Facts about the functions checkpointed under one configuration.
+    """Facts about the functions given to :func:`ds_pipe_ckpt.checkpoint`.
 
-    Bounded (least recently used first out) because keys hold object identities,
-    which Python reuses after an object is freed: a stale entry can only make a
-    region skip learning, and every fact is re-checked on every call (a region
-    that modifies an input it was not known to modify fails loudly).
+    Keys hold object identities, which Python reuses once an object is freed,
+    so each entry also keeps weak references to the objects it stands for: an
+    entry whose objects are gone is not taken for a new object at the same
+    address. Bounded (least recently used first out). Facts are re-checked on
+    every call anyway: a region that modifies an input it was not known to
+    modify fails loudly.
     """
 
     def __init__(self, capacity: int = 4096):
         self._capacity = capacity
-        self._facts: collections.OrderedDict[Hashable, RegionFacts] = collections.OrderedDict()
+        self._entries: collections.OrderedDict[Hashable, tuple[RegionFacts, tuple]] = collections.OrderedDict()
 
     def facts_for(self, function: Callable[..., Any]) -> RegionFacts:
-        key = region_key(function)
-        facts = self._facts.get(key)
-        if facts is None:
-            facts = self._facts[key] = RegionFacts()
-            if len(self._facts) > self._capacity:
-                self._facts.popitem(last=False)
-        else:
-            self._facts.move_to_end(key)
+        key, anchors = region_key(function)
+        entry = self._entries.get(key)
+        if entry is not None and all(ref is None or ref() is anchor for ref, anchor in zip(entry[1], anchors)):
+            self._entries.move_to_end(key)
+            return entry[0]
+        facts = RegionFacts()
+        self._entries[key] = (facts, tuple(_weak(anchor) for anchor in anchors))
+        self._entries.move_to_end(key)
+        if len(self._entries) > self._capacity:
+            self._entries.popitem(last=False)
         return facts
 
     def __len__(self) -> int:
-        return len(self._facts)
+        return len(self._entries)

@@ -44,7 +44,8 @@ class CheckpointingSettings:
     model_parallel: TensorParallelGroup | None = None
     # Warnings already issued, so that each is logged once per configuration.
     warned: set = field(default_factory=set)
-    # What the functions given to checkpoint() showed on their first call.
+    # What the functions given to checkpoint() showed on their first call
+    # (carried over by configure(): it does not depend on the configuration).
     regions: RegionRegistry = field(default_factory=RegionRegistry, repr=False, compare=False)
     # Resolved per-call options, by the keywords they were resolved from.
     _options: dict = field(default_factory=dict, repr=False, compare=False)
@@ -173,7 +174,9 @@ def configure(mpu_: Any = None,
                                    synchronize=synchronize, profile=profile, **overrides)
     model_parallel = _model_parallel_group(config, mpu)
     _configure_upstream(config, model_parallel)
-    settings = CheckpointingSettings(config=config, model_parallel=model_parallel)
+    # What regions showed on their first call does not depend on the
+    # configuration: keep it, so that reconfiguring does not relearn every region.
+    settings = CheckpointingSettings(config=config, model_parallel=model_parallel, regions=_Holder.settings.regions)
     _Holder.settings = settings
     logger.info("activation checkpointing configured: %s", config)
     return settings
