@@ -294,6 +294,8 @@ class OpTrace(TorchDispatchMode):
 
 def require_tensor_output(out: Any, region: Region) -> None:
     """Refuse a region that returns no tensor: nothing could flow back through it."""
+    if isinstance(out, torch.Tensor):  # the common case, on every call
+        return
     if not any(isinstance(t, torch.Tensor) for t in tree_leaves(out)):
         raise TypeError(f"Checkpointed {region} returned no tensor ({type(out).__name__}): there is "
                         "nothing to recompute and no gradient can flow through it. Call it without "

@@ -95,7 +95,8 @@ class RegionCall:
     def _forward(self, args: tuple) -> Any:
         if self.tracker is not None:
             # get_states() copies the dict; fork() replaces entries, never mutates them.
-            self.tracker_states = self.tracker.get_states()
+            # No streams (no model-parallel seed set): nothing to replay.
+            self.tracker_states = self.tracker.get_states() or None
         facts = self.region.facts
         # A region known to leave its inputs alone has no private copies
         # (ds_pipe_ckpt.inputs): if it modifies one now, say so here.
