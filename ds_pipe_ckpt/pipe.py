@@ -15,7 +15,7 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_check
 from .checkpoint import checkpoint_region
 from .config import validate_interval
 from .errors import ConfigError
-from .regions import Region, RegionFacts
+from .regions import Region, RegionFacts, describe_callable
 from .settings import current_settings
 
 __all__ = ["PipelineModule", "LayerSpec", "TiedLayerSpec", "REENTRANT", "NON_REENTRANT", "CUSTOM"]
@@ -51,9 +51,11 @@ def _require_checkpoint_func(func: Any) -> Callable[..., Any]:
 
 
 def _layer_name(layer: Any) -> str:
+    """A layer's class; for a TiedLayerSpec's ``forward_fn`` (a partial over the
+    tied module), the function's name."""
     if isinstance(layer, _DSLayerSpec):
         return layer.typename.__name__
-    return getattr(layer, "__name__", None) or type(layer).__name__
+    return describe_callable(layer)
 
 
 class PipelineModule(_DSPipelineModule):

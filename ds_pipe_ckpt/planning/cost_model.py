@@ -13,20 +13,35 @@ A stage runs a chain of ``n`` layers. Layer ``i`` is described by a
   ``selective_recompute_s`` r_i: what the layer saves, and what recomputing it
   costs, under selective (op-level) checkpointing, which keeps the outputs of
   matmuls, attention and convolutions and recomputes the rest. When either is
-  None, selective checkpointing is not available for the layer.
+  None, selective checkpointing is not available for the layer;
+* ``grad_bytes`` g_i: bytes of the gradients of its parameters when they are
+  allocated during the step (by its backward; 0 when they outlive steps);
+* ``input_saved_bytes`` v_i (<= a_i, <= x_i): the part of a_i that is the
+  layer's own input. A checkpoint region starting at layer ``i`` holds that
+  input anyway, so its recomputation does not add it again.
 
 A plan splits the chain into consecutive :class:`Segment` s ``[start, end)``,
 each with a :class:`Decision`. Each segment has a *held* size (bytes kept from
-its forward until its backward), a *transient* size (bytes rebuilt only while
-its backward runs) and a recomputation time, all sums over its layers:
+its forward until its backward), a *transient* size (what its backward adds on
+top of that at its highest) and a recomputation time:
 
-============  ============================  ====================  ==========
-decision      held                          transient             recompute
-============  ============================  ====================  ==========
-STORE         sum a_i                       0                     0
-CHECKPOINT    x_start                       sum a_i               sum t_i
-SELECTIVE     x_start + sum s_i             sum (a_i - s_i)       sum r_i
-============  ============================  ====================  ==========
+============  ============================  ==================================  ==========
+decision      held                          transient                           recompute
+============  ============================  ==================================  ==========
+STORE         sum a_i                       max_l (G_>l - sum_{l<m<end} a_m)     0
+CHECKPOINT    x_start                       max_l (sum_{start<=m<=l} a_m + G_>l)  sum t_i
+                                            - v_start
+SELECTIVE     x_start + sum s_i             max_l (sum_{start<=m<=l} a_m + G_>l)  sum r_i
+                                            - v_start - sum s_i, at least 0
+============  ============================  ==================================  ==========
+
+with ``l`` over the segment's layers and ``G_>l`` the gradient bytes of the
+stage's layers after ``l``: the backward of layer ``l`` runs while the
+activations of the segment's layers up to ``l`` are alive (stored or rebuilt;
+those after ``l`` are freed) and the gradients of every later layer exist.
+Without gradient bytes (and v) these are the plain sums 0, sum a_i and
+sum (a_i - s_i).
+The last segment's transient is at least ``held_gradient_bytes`` (below).
 
 SELECTIVE needs the selective figures of every layer of the segment;
 CHECKPOINT and SELECTIVE need every layer of the segment to be
@@ -37,8 +52,8 @@ SELECTIVE segments are separate checkpoint regions even when adjacent.
 
 With ``k`` micro-batches in flight on the stage (DeepSpeed's 1F1B
 TrainSchedule gives stage ``s`` of ``pp`` ``min(pp - s, micro_batches)``) and
-``base`` bytes that do not depend on the plan (gradients, optimizer state,
-communication buffers), the predicted peak is::
+``base`` bytes that do not depend on the plan (communication buffers, the
+engine's copies of the stage's inputs and outputs), the predicted peak is::
 
     H      = sum over segments of held
     H_<=j  = sum of held over the segments up to and including j
@@ -47,8 +62,12 @@ communication buffers), the predicted peak is::
 The first term is the end of the k-th forward. The second is the backward of
 segment ``j`` of the oldest micro-batch: the ``k - 1`` others are held in
 full, its segments after ``j`` are already freed and segment ``j``'s
-activations are rebuilt. (For the last segment ``H_<=j = H``, so the second
-term is never below the first.) A plan is feasible when ``peak <= budget``.
+activations are rebuilt. ``held_gradient_bytes`` (every g_i, when the stage
+runs forwards after its first backward of the step) are alive during those
+later forwards, when k micro-batches are held again: ``k * H + that``, which
+the last segment's transient covers. (For the last segment ``H_<=j = H``, so
+the second term is never below the first.) A plan is feasible when
+``peak <= budget``.
 
 Recomputation times are summed exactly: every time is a binary fraction, so
 all of a problem's times are integer multiples of one power of two
@@ -114,6 +133,8 @@ class LayerProfile:
     selective_saved_bytes: int | None = None
     selective_recompute_s: float | None = None
     checkpointable: bool = True
+    grad_bytes: int = 0
+    input_saved_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -131,6 +152,11 @@ class LayerProfile:
             _require_seconds(owner, "selective_recompute_s", self.selective_recompute_s)
         if not isinstance(self.checkpointable, bool):
             raise TypeError(f"{owner}: checkpointable must be a bool, got {self.checkpointable!r}")
+        _require_int(owner, "grad_bytes", self.grad_bytes, 0)
+        _require_int(owner, "input_saved_bytes", self.input_saved_bytes, 0)
+        if self.input_saved_bytes > min(self.saved_bytes, self.input_bytes):
+            raise ValueError(f"{owner}: input_saved_bytes ({self.input_saved_bytes}) must not exceed saved_bytes "
+                             f"({self.saved_bytes}) nor input_bytes ({self.input_bytes})")
 
     @property
     def has_selective(self) -> bool:
@@ -159,6 +185,7 @@ class StageProblem:
     base_bytes: int = 0
     label: str = "stage"
     allow_selective: bool = True
+    held_gradient_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.label, str):
@@ -173,6 +200,7 @@ class StageProblem:
         _require_int(owner, "in_flight", self.in_flight, 1)
         _require_int(owner, "budget_bytes", self.budget_bytes, 0)
         _require_int(owner, "base_bytes", self.base_bytes, 0)
+        _require_int(owner, "held_gradient_bytes", self.held_gradient_bytes, 0)
         if not isinstance(self.allow_selective, bool):
             raise TypeError(f"{owner}: allow_selective must be a bool, got {self.allow_selective!r}")
 
@@ -246,8 +274,23 @@ class ChainCosts:
 
     def __init__(self, problem: StageProblem) -> None:
         layers = problem.layers
+        n = len(layers)
         self._input = [layer.input_bytes for layer in layers]
+        self._input_saved = [layer.input_saved_bytes for layer in layers]
         self._saved = _prefix(layer.saved_bytes for layer in layers)
+        # U[b] = A[b] + G[b:], the gradient bytes of layers b.. plus the saved bytes
+        # of layers before b; _peak_u[s][e] = max(U[s+1 .. e]) (the module docstring's
+        # max over a segment's layers, from prefix sums).
+        grads_after = list(accumulate((layer.grad_bytes for layer in reversed(layers)), initial=0))[::-1]
+        u = [self._saved[b] + grads_after[b] for b in range(n + 1)]
+        self._peak_u = [[0] * (n + 1) for _ in range(n + 1)]
+        for start in range(n):
+            running = 0
+            for end in range(start + 1, n + 1):
+                running = max(running, u[end]) if end > start + 1 else u[end]
+                self._peak_u[start][end] = running
+        self._n = n
+        self._held_gradients = problem.held_gradient_bytes
         self._selective_saved = _prefix(layer.selective_saved_bytes or 0 for layer in layers)
         self._selective_capable = _prefix(int(layer.has_selective) for layer in layers)
         self._checkpointable = _prefix(int(layer.checkpointable) for layer in layers)
@@ -270,12 +313,15 @@ class ChainCosts:
         """The held bytes, transient bytes and recompute units of ``[start, end)``
         under ``decision`` (the table of the module docstring)."""
         saved = self._saved[end] - self._saved[start]
+        peak_u = self._peak_u[start][end]
+        floor = self._held_gradients if end == self._n else 0
         if decision is Decision.STORE:
-            return SegmentCost(saved, 0, 0)
+            return SegmentCost(saved, max(peak_u - self._saved[end], floor), 0)
+        rebuilt = peak_u - self._saved[start] - self._input_saved[start]  # the held input is not rebuilt
         if decision is Decision.CHECKPOINT:
-            return SegmentCost(self._input[start], saved, self._forward[end] - self._forward[start])
+            return SegmentCost(self._input[start], max(rebuilt, floor), self._forward[end] - self._forward[start])
         selective_saved = self._selective_saved[end] - self._selective_saved[start]
-        return SegmentCost(self._input[start] + selective_saved, saved - selective_saved,
+        return SegmentCost(self._input[start] + selective_saved, max(rebuilt - selective_saved, floor),
                            self._selective_recompute[end] - self._selective_recompute[start])
 
     def seconds(self, units: int) -> float:

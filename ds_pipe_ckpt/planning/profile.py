@@ -131,6 +131,7 @@ class LayerMeter:
         self.first_layer = first_layer
         self.input_bytes: int | None = None
         self.saved_bytes = 0
+        self.input_saved_bytes = 0  # of saved_bytes, the layer's own input
         self.forward_s: float | None = None
         self.selective_saved_bytes: int | None = None
         self.selective_share: float | None = None  # of the op time, spent in save-set ops
@@ -147,9 +148,13 @@ class LayerMeter:
         # saved tensors are kept as they are.
         pack_inner, unpack_inner = top_hooks() or (_keep, _keep)
         ledger = self.ledger
+        input_storages = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
 
         def pack(tensor: torch.Tensor) -> Any:
-            self.saved_bytes += ledger.charge(tensor)
+            charged = ledger.charge(tensor)
+            self.saved_bytes += charged
+            if tensor.untyped_storage().data_ptr() in input_storages:
+                self.input_saved_bytes += charged
             return pack_inner(tensor)
 
         _synchronize(self.device)
@@ -176,15 +181,19 @@ class LayerMeter:
         ``partition_activations``, 0 with ``cpu_checkpointing``)."""
         if not self.complete:
             raise RuntimeError(f"ds_pipe_ckpt: layer {self.name} was not measured completely")
+        input_bytes = int(round(self.input_bytes * input_bytes_scale))
+        # The recomputation reuses the held input: only as much of it as is held.
+        input_saved = min(self.input_saved_bytes, input_bytes)
         if not self.checkpointable:
-            return LayerProfile(name=self.name, input_bytes=int(round(self.input_bytes * input_bytes_scale)),
-                                saved_bytes=self.saved_bytes, forward_s=self.forward_s, checkpointable=False)
+            return LayerProfile(name=self.name, input_bytes=input_bytes, saved_bytes=self.saved_bytes,
+                                forward_s=self.forward_s, checkpointable=False, input_saved_bytes=input_saved)
         # Selective checkpointing keeps the outputs of the save-set ops whether or
         # not autograd would have: where that is more than the layer saves without
         # checkpointing, it is never better than storing the layer; leave it out.
         selective = self.selective_saved_bytes <= self.saved_bytes
         return LayerProfile(name=self.name,
-                            input_bytes=int(round(self.input_bytes * input_bytes_scale)),
+                            input_bytes=input_bytes,
+                            input_saved_bytes=input_saved,
                             saved_bytes=self.saved_bytes,
                             forward_s=self.forward_s,
                             selective_saved_bytes=self.selective_saved_bytes if selective else None,

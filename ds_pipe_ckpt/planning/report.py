@@ -49,6 +49,10 @@ def plan_table(planned: "PlannedStage") -> str:
         f"(of which {problem.base_bytes / MIB:.2f} MiB do not depend on the plan); recomputation "
         f"{plan.recompute_s * 1e3:.2f} ms per micro-batch.",
     ]
+    for predicted, measured in planned.earlier_checks:
+        lines.append(f"Planned again: an earlier plan predicted {predicted / MIB:.2f} MiB and its step measured "
+                     f"{measured / MIB:.2f} MiB; the difference is counted in the part that does not depend on "
+                     "the plan.")
     if planned.measured_peak_bytes is not None:
-        lines.append(f"Measured peak of the first planned step: {planned.measured_peak_bytes / MIB:.2f} MiB.")
+        lines.append(f"Measured peak of this plan's first step: {planned.measured_peak_bytes / MIB:.2f} MiB.")
     return "\n".join(lines)

@@ -22,19 +22,23 @@ set; ``ds_pipe_ckpt.initialize`` creates it through
 3. **The first planned step: check.** Its peak memory (bytes above the step's
    start, by :mod:`ds_pipe_ckpt.memory`, until the optimizer step ends the
    step; until the next step begins where no torch optimizer steps) is measured
-   and compared with the prediction; a prediction off by more than 10% is a
-   :class:`PlanPredictionWarning` naming the stage. On CPU that measurement runs
-   the torch profiler: a step someone else profiles is left alone and the next
-   one is checked.
+   and compared with the prediction. A prediction off by more than 10%, or a
+   measured peak above the budget, is a :class:`PlanPredictionWarning` naming
+   the stage, and the stage plans again with the difference counted as memory
+   the model does not see (in its ``base``), and checks the new plan on the
+   next step (at most twice). On CPU that measurement runs the torch profiler:
+   a step someone else profiles is left alone and the next one is checked.
 
 What the model does not vary with the plan is its ``base``: the engine's
-buffers for the micro-batches in flight (stage inputs and outputs), the
-incoming and outgoing gradients, and the parameters' gradients when they are
-freed between steps (``zero_grad(set_to_none=True)``).
+buffers for the micro-batches in flight (stage inputs and outputs) and the
+incoming and outgoing gradients. The parameters' gradients, when they are
+freed between steps (``zero_grad(set_to_none=True)``), come back layer by layer
+during the backward; the cost model places them (``LayerProfile.grad_bytes``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +61,7 @@ __all__ = ["StagePlanner", "PlannedStage", "PlanPredictionWarning", "PREDICTION_
 PREDICTION_TOLERANCE = 0.10
 MIB = 2**20
 MEASURED_FORWARD = 2  # which training forward is measured (counted from 1)
+MAX_CALIBRATIONS = 2  # plans made again after a measured step that did not fit the prediction
 
 
 class PlanPredictionWarning(UserWarning):
@@ -75,6 +80,9 @@ class PlannedStage:
     problem: StageProblem
     plan: StagePlan
     measured_peak_bytes: int | None = None
+    # (predicted, measured) peak of each earlier plan of this stage whose measured
+    # step did not fit its prediction (this plan was made after them).
+    earlier_checks: tuple[tuple[int, int], ...] = ()
 
     @property
     def layer_names(self) -> list[str]:
@@ -120,6 +128,8 @@ class StagePlanner:
         self._tracker: memory.MemoryTracker | None = None
         self._step_end_hook: Any = None
         self._checked = False
+        self.calibrations = 0
+        self.unmodelled_bytes = 0  # what measured steps showed beyond the model (may be negative)
         self.device = next((p.device for p in module.parameters()), torch.device("cpu"))
         if self.device.type == "cpu":
             memory.track_cpu_allocations()  # before the tensors the checked step frees exist
@@ -154,7 +164,11 @@ class StagePlanner:
         measure = self.measurement is None and self.forwards == MEASURED_FORWARD
         if measure:
             inputs = x if isinstance(x, tuple) else (x, )
-            ledger = StorageLedger(t for t in inputs if isinstance(t, torch.Tensor))
+            # Held whatever the plan: the stage input, and the parameters and buffers
+            # (a saved ``weight.t()`` is a view of one: it adds nothing).
+            held = [t for t in inputs if isinstance(t, torch.Tensor)]
+            held += [*module.parameters(), *module.buffers()]
+            ledger = StorageLedger(held)
             save_ops = frozenset(self._save_ops())
             meters = [LayerMeter(module.segment_label(i, i + 1), ledger, save_ops, self.device, first_layer=i == 0,
                                  checkpointable=self._checkpointable(i))
@@ -206,13 +220,31 @@ class StagePlanner:
             self._step_end_hook = register_optimizer_step_post_hook(lambda *_: self._finish_check())
 
     def _base_bytes(self) -> int:
+        """What does not depend on the plan: the engine's copies of the inputs and
+        outputs of the micro-batches in flight, plus one incoming and one outgoing
+        gradient."""
         measured = self.measurement
-        held_by_engine = self.in_flight * (measured.stage_input_bytes + measured.stage_output_bytes)
-        gradients = measured.stage_input_bytes + measured.stage_output_bytes
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        # Gradients freed between steps (zero_grad(set_to_none=True)) come back during each step.
-        regrown = sum(p.numel() * p.element_size() for p in params if p.grad is None)
-        return held_by_engine + gradients + regrown
+        return (self.in_flight + 1) * (measured.stage_input_bytes + measured.stage_output_bytes)
+
+    def _gradient_bytes_by_layer(self) -> list[int]:
+        """Per local layer, the bytes of its parameters' gradients that each step
+        allocates anew: those freed between steps (``zero_grad(set_to_none=True)``,
+        so ``grad`` is None when the step begins; the others outlive the steps).
+        A parameter used by several layers (a tied embedding and LM head) counts
+        once, for the last of them, whose backward runs first."""
+        seen: set[int] = set()
+        by_layer = []
+        for func in reversed(self.module.forward_funcs):
+            # A module, or a TiedLayerSpec's forward_fn bound to its module.
+            modules = [func] if isinstance(func, torch.nn.Module) else \
+                [a for a in getattr(func, "args", ()) if isinstance(a, torch.nn.Module)]
+            total = 0
+            for parameter in (p for module in modules for p in module.parameters()):
+                if parameter.requires_grad and parameter.grad is None and id(parameter) not in seen:
+                    seen.add(id(parameter))
+                    total += parameter.numel() * parameter.element_size()
+            by_layer.append(total)
+        return by_layer[::-1]
 
     def _input_scale(self) -> float:
         """The fraction of a checkpointed input kept on the device."""
@@ -226,9 +258,19 @@ class StagePlanner:
 
     def _plan(self) -> PlannedStage:
         scale = self._input_scale()
-        layers: tuple[LayerProfile, ...] = tuple(meter.profile(scale) for meter in self.measurement.meters)
+        layers: tuple[LayerProfile, ...] = tuple(
+            dataclasses.replace(meter.profile(scale), grad_bytes=grads)
+            for meter, grads in zip(self.measurement.meters, self._gradient_bytes_by_layer()))
+        # With more micro-batches than in flight, the stage's later forwards and
+        # backwards (1F1B's steady state) run with every gradient allocated and
+        # k - 1 other micro-batches held: the gradients are as good as base then.
+        # Otherwise each backward allocates them as it goes (LayerProfile.grad_bytes).
+        base = self._base_bytes()
+        if self.micro_batches > self.in_flight:
+            base += sum(layer.grad_bytes for layer in layers)
+            layers = tuple(dataclasses.replace(layer, grad_bytes=0) for layer in layers)
         problem = StageProblem(layers=layers, in_flight=self.in_flight, budget_bytes=self.budget_bytes,
-                               base_bytes=self._base_bytes(), label=f"pipeline stage {self.stage}")
+                               base_bytes=max(0, base + self.unmodelled_bytes), label=f"pipeline stage {self.stage}")
         try:
             plan = plan_stage(problem)
         except InfeasibleBudgetError as error:
@@ -260,11 +302,23 @@ class StagePlanner:
         planned = self.planned
         planned.measured_peak_bytes = measured
         predicted = planned.plan.predicted_peak_bytes
-        if measured > 0 and abs(predicted - measured) > PREDICTION_TOLERANCE * measured:
+        off = measured > 0 and abs(predicted - measured) > PREDICTION_TOLERANCE * measured
+        over = measured > self.budget_bytes
+        calibrate = (off or over) and self.calibrations < MAX_CALIBRATIONS
+        if off or over:
+            action = ("Planning again with the difference counted as memory the model does not see; the new plan "
+                      "is checked on the next step." if calibrate else "The plan stands.")
             warnings.warn(PlanPredictionWarning(
                 f"ds_pipe_ckpt: pipeline stage {self.stage}'s checkpointing plan predicted a peak of "
-                f"{predicted / MIB:.2f} MiB above the step's start; the first planned step measured "
-                f"{measured / MIB:.2f} MiB ({(predicted - measured) / measured:+.0%}). The plan stands; its "
-                "memory model (what each layer saves, measured on the first micro-batch) does not fit this "
-                "stage well, e.g. shapes that vary between micro-batches or memory the engine holds for it. "
-                "Set the budget with that margin in mind."), stacklevel=2)
+                f"{predicted / MIB:.2f} MiB above the step's start; the step measured {measured / MIB:.2f} MiB "
+                f"({(predicted - measured) / measured:+.0%}) against a budget of {self.budget_bytes / MIB:.2f} MiB. "
+                f"{action} The memory model (what each layer saves, measured on one micro-batch) misses some of "
+                "this stage's memory, e.g. buffers inside a layer's backward or of the engine, or shapes that "
+                "vary between micro-batches."), stacklevel=2)
+        if calibrate:
+            self.calibrations += 1
+            self.unmodelled_bytes += measured - predicted
+            self.planned = self._plan()
+            self.planned.earlier_checks = (*planned.earlier_checks, (predicted, measured))
+            self._checked = False
+            self._announce()

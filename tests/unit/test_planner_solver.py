@@ -87,16 +87,28 @@ def canonical_plans(problem: StageProblem) -> Iterator[tuple[tuple[int, int, Dec
 
 
 def segment_figures(problem: StageProblem, start: int, end: int, decision: Decision) -> tuple[int, int, Fraction]:
-    """(held, transient, recompute) of one segment, from the cost model's table."""
-    layers = problem.layers[start:end]
-    saved = sum(profile.saved_bytes for profile in layers)
+    """(held, transient, recompute) of one segment, from the cost model's table,
+    written out layer by layer."""
+    layers = problem.layers
+    segment = layers[start:end]
+    grads_after = [sum(p.grad_bytes for p in layers[l + 1:]) for l in range(len(layers))]
+    saved = sum(profile.saved_bytes for profile in segment)
     if decision is STORE:
-        return saved, 0, Fraction(0)
-    if decision is CHECKPOINT:
-        return layers[0].input_bytes, saved, sum((Fraction(profile.forward_s) for profile in layers), Fraction(0))
-    selective = sum(profile.selective_saved_bytes for profile in layers)
-    return (layers[0].input_bytes + selective, saved - selective,
-            sum((Fraction(profile.selective_recompute_s) for profile in layers), Fraction(0)))
+        transient = max(grads_after[l] - sum(p.saved_bytes for p in layers[l + 1:end]) for l in range(start, end))
+        held, recompute = saved, Fraction(0)
+    else:
+        rebuilt = max(sum(p.saved_bytes for p in layers[start:l + 1]) + grads_after[l] for l in range(start, end)) \
+            - segment[0].input_saved_bytes
+        if decision is CHECKPOINT:
+            held, transient = segment[0].input_bytes, rebuilt
+            recompute = sum((Fraction(profile.forward_s) for profile in segment), Fraction(0))
+        else:
+            selective = sum(profile.selective_saved_bytes for profile in segment)
+            held, transient = segment[0].input_bytes + selective, max(rebuilt - selective, 0)
+            recompute = sum((Fraction(profile.selective_recompute_s) for profile in segment), Fraction(0))
+    if end == len(layers):
+        transient = max(transient, problem.held_gradient_bytes)
+    return held, transient, recompute
 
 
 def evaluate(problem: StageProblem, plan, figures) -> Evaluated:
@@ -130,16 +142,21 @@ def layer_profiles(draw, index: int) -> LayerProfile:
     selective_saved = draw(st.none() | st.integers(0, saved))
     profile = layer(f"layer{index}", draw(st.integers(0, 12)), saved, draw(TIMES), selective_saved,
                     None if selective_saved is None else draw(TIMES))
-    # One layer in six may not be checkpointed (a pipeline's checkpointable_layers).
-    return dataclasses.replace(profile, checkpointable=draw(st.integers(0, 5)) > 0)
+    # One layer in six may not be checkpointed (a pipeline's checkpointable_layers);
+    # half the chains have parameter gradients that grow during the step.
+    return dataclasses.replace(profile, checkpointable=draw(st.integers(0, 5)) > 0,
+                               grad_bytes=draw(st.sampled_from([0, 0, 0, 1, 3, 6])),
+                               input_saved_bytes=draw(st.integers(0, min(profile.saved_bytes, profile.input_bytes))))
 
 
 @st.composite
 def chains(draw) -> StageProblem:
     n = draw(st.integers(1, 7))
     layers = [draw(layer_profiles(index)) for index in range(n)]
+    held_gradients = draw(st.sampled_from([0, sum(layer.grad_bytes for layer in layers)]))
     return problem_of(layers, in_flight=draw(st.sampled_from([1, 2, 3, 4, 8, 16])), budget_bytes=0,
-                      base_bytes=draw(st.integers(0, 4)), allow_selective=draw(st.booleans()), label="random")
+                      base_bytes=draw(st.integers(0, 4)), allow_selective=draw(st.booleans()), label="random",
+                      held_gradient_bytes=held_gradients)
 
 
 @settings(max_examples=250, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -149,7 +166,8 @@ def test_plan_is_optimal_against_exhaustive_search(chain, data):
     least = min(plan.peak for plan in plans)
     budget = data.draw(st.integers(max(0, least - 2), max(plan.peak for plan in plans) + 1), label="budget")
     problem = problem_of(chain.layers, chain.in_flight, budget, base_bytes=chain.base_bytes,
-                         allow_selective=chain.allow_selective, label="random")
+                         allow_selective=chain.allow_selective, label="random",
+                         held_gradient_bytes=chain.held_gradient_bytes)
     assert minimum_peak_bytes(problem) == least
     feasible = [plan for plan in plans if plan.peak <= budget]
     if not feasible:
