@@ -5,6 +5,7 @@ Run from the repository root::
 
     python -m benchmarks.pipeline [--quick] [--json PATH] [--png PATH] [--dim D] [--context T] [--blocks N]
     python -m benchmarks.pipeline --budget 0.3 0.5 0.75 [...]   # also the planner against uniform intervals
+    python -m benchmarks.pipeline --modes none --budget 0.3 [...]  # only what the budget rows need
 
 For each pipeline depth (pp=2; also pp=4 without ``--quick``) and mode
 (:mod:`benchmarks.pipeline_modes`: none, reentrant, non_reentrant, selective,
@@ -47,8 +48,8 @@ from ds_pipe_ckpt.testing import RankFailure, run_ranks  # noqa: E402
 from examples.gpt.data import load_corpus  # noqa: E402
 
 from .checkpointing import machine_info  # noqa: E402
-from .pipeline_budget import (PLANNED, BudgetOutcome, budget_records, planned_mode, stage_budgets,  # noqa: E402
-                              uniform_best, uniform_modes)
+from .pipeline_budget import (PLANNED, BudgetOutcome, budget_records, infeasible_minimum,  # noqa: E402
+                              planned_mode, stage_budgets, uniform_best, uniform_modes)
 from .pipeline_modes import PRESETS, Layout, PipelineMode, Preset, layouts, modes  # noqa: E402
 from .pipeline_rank import measure_layouts, model_description  # noqa: E402
 from .pipeline_report import markdown, summarize, write_budget_png, write_json, write_png  # noqa: E402
@@ -71,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="where the GPT example's corpus is cached")
     for name in ("dim", "context", "blocks", "heads"):
         parser.add_argument(f"--{name}", type=int, help=f"model {name} (default: the benchmark preset's)")
+    parser.add_argument("--modes", nargs="+", metavar="MODE", choices=[mode.name for mode in modes()],
+                        help="measure only these modes (default: all of "
+                             f"{', '.join(mode.name for mode in modes())}); --budget needs none")
     parser.add_argument("--budget", type=float, nargs="+", metavar="F",
                         help="also run the planner with each stage's budget F x its peak without checkpointing, "
                              "against the best uniform interval that fits (e.g. --budget 0.3 0.5 0.75)")
@@ -93,7 +97,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         preset = _preset(args)
     except ValueError as error:  # GPTConfig names the bad size
         parser.error(str(error))
-    mode_list = modes()
+    mode_list = tuple(mode for mode in modes() if args.modes is None or mode.name in args.modes)
+    if args.budget and all(mode.name != "none" for mode in mode_list):
+        parser.error("--budget needs the none mode: its peaks set the budgets")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cores = os.cpu_count() or 1
     machine = machine_info(device, torch.get_num_threads())
@@ -179,10 +185,12 @@ def _budget_rows(fractions: Sequence[float], preset: Preset, records: list[dict]
 
 
 def _root_error(report: str) -> str:
-    """The first error line of the ranks' tracebacks (the first rank to fail
-    reports first; its peers then fail with lost connections)."""
+    """The planner's error naming the least feasible budget when a rank raised
+    it, else the first error line of the ranks' tracebacks (the first rank to
+    fail reports first; its peers then fail with lost connections)."""
     lines = [line.strip() for line in report.splitlines() if "Error: " in line and not line.startswith(" ")]
-    return lines[0] if lines else report.strip().splitlines()[-1]
+    planner = [line for line in lines if infeasible_minimum(line) is not None]
+    return (planner or lines or report.strip().splitlines()[-1:])[0]
 
 
 if __name__ == "__main__":

@@ -20,17 +20,14 @@ peak and decisions.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 from .pipeline_modes import PipelineMode
-from .pipeline_report import MIB, ModeSummary
+from .pipeline_report import MIB, PLANNED, UNIFORM_BEST, ModeSummary, infeasible_minimum
 
 __all__ = ["PLANNED", "UNIFORM_BEST", "BudgetOutcome", "uniform_modes", "planned_mode", "stage_budgets",
            "uniform_best", "budget_records", "infeasible_minimum"]
 
-PLANNED = "planned"
-UNIFORM_BEST = "uniform_best"
 UNIFORM_PREFIX = "uniform_"
 # The planner measures on step 1 and plans (and checks its prediction) on step 2;
 # step 3 is left alone so that no measurement of the planner's runs into ours.
@@ -69,15 +66,6 @@ def uniform_best(candidates: list[ModeSummary], budgets: dict[int, int]) -> Mode
     """The fastest candidate whose peak fits ``budgets`` on every stage, or None."""
     fitting = [c for c in candidates if _fits(c, budgets)]
     return min(fitting, key=lambda c: c.step_time_s) if fitting else None
-
-
-_MINIMUM = re.compile(r"expected at least ([0-9.]+) MiB for pipeline stage (\d+)")
-
-
-def infeasible_minimum(message: str) -> tuple[int, float] | None:
-    """(stage, least feasible MiB) from the planner's ``ConfigError`` in a rank's report, or None."""
-    match = _MINIMUM.search(message)
-    return (int(match.group(2)), float(match.group(1))) if match else None
 
 
 @dataclass

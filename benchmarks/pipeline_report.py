@@ -5,6 +5,7 @@ document and the grouped-bar plot. Pure functions of the per-rank records."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass
 from typing import Iterable, Sequence
 
@@ -226,6 +227,19 @@ def document(records: Sequence[dict], machine: dict) -> dict:
 
 PLANNED, UNIFORM_BEST = "planned", "uniform_best"
 PREDICTION_TOLERANCE = 0.10
+# The planner's ConfigError when no plan fits (ds_pipe_ckpt.planning.stage).
+_MINIMUM = re.compile(r"expected at least ([0-9.]+) MiB for pipeline stage (\d+)")
+
+
+def infeasible_minimum(message: str) -> tuple[int, float] | None:
+    """(stage, least feasible MiB) from the planner's ``ConfigError`` in a rank's report, or None."""
+    match = _MINIMUM.search(message)
+    return (int(match.group(2)), float(match.group(1))) if match else None
+
+
+def _infeasible_cell(reason: str) -> str:
+    minimum = infeasible_minimum(reason)
+    return f"stage {minimum[0]} needs at least {minimum[1]:.2f} MiB" if minimum else reason
 
 
 def _mib(values: dict[int, int] | None, stages: Sequence[int]) -> str:
@@ -256,7 +270,7 @@ def _budget_tables(rows: Sequence[ModeSummary], unavailable: Sequence[dict]) -> 
                 planned_cells = (f"{_mib(planned.peak_bytes_by_stage, stages)} | "
                                  f"{_mib(planned.predicted_peak_bytes_by_stage, stages)} | {planned.step_time_s * 1e3:.0f}")
             else:
-                planned_cells = f"infeasible: {reasons.get(PLANNED, 'not run')} | - | -"
+                planned_cells = f"infeasible: {_infeasible_cell(reasons.get(PLANNED, 'not run'))} | - | -"
             if uniform:
                 uniform_cells = (f"{uniform.uniform_mode} | {_mib(uniform.peak_bytes_by_stage, stages)} | "
                                  f"{uniform.step_time_s * 1e3:.0f}")
