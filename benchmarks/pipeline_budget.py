@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ds_pipe_ckpt.planning.stage import MAX_CALIBRATIONS
+
 from .pipeline_modes import PipelineMode
 from .pipeline_report import MIB, PLANNED, UNIFORM_BEST, ModeSummary, infeasible_minimum
 
@@ -29,9 +31,11 @@ __all__ = ["PLANNED", "UNIFORM_BEST", "BudgetOutcome", "uniform_modes", "planned
            "uniform_best", "budget_records", "infeasible_minimum"]
 
 UNIFORM_PREFIX = "uniform_"
-# The planner measures on step 1 and plans (and checks its prediction) on step 2;
-# step 3 is left alone so that no measurement of the planner's runs into ours.
-PLANNED_WARMUP_STEPS = 3
+# The planner measures on step 1, plans and checks its prediction on step 2 and,
+# where a check shows the plan off, plans again and checks on each next step (at
+# most MAX_CALIBRATIONS times); one step more is left alone, so that no check of
+# the planner's runs into the benchmark's measured or timed steps.
+PLANNED_WARMUP_STEPS = 2 + MAX_CALIBRATIONS + 1
 
 
 def uniform_modes(max_interval: int) -> tuple[PipelineMode, ...]:

@@ -261,6 +261,16 @@ class PipelineModule(_DSPipelineModule):
         planner = self.__dict__.get("_planner")
         return None if planner is None else planner.planned
 
+    def train(self, mode: bool = True) -> "PipelineModule":
+        """``nn.Module.train``. DeepSpeed's ``train_batch()`` calls it first: with
+        a memory budget, that is where this stage's training step begins, for the
+        planner's check of its peak memory."""
+        super().train(mode)
+        planner = self.__dict__.get("_planner")
+        if mode and planner is not None:
+            planner.training_step_may_begin()
+        return self
+
     def forward(self, forward_input: Any) -> Any:
         self.micro_offset += 1
         # Upstream seeds layers with micro_offset + 1; keep it for identical streams.

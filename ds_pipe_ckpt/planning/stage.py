@@ -20,14 +20,18 @@ set; ``ds_pipe_ckpt.initialize`` creates it through
    plan fits raises :class:`~ds_pipe_ckpt.ConfigError` naming the smallest
    budget that fits.
 3. **The first planned step: check.** Its peak memory (bytes above the step's
-   start, by :mod:`ds_pipe_ckpt.memory`, until the optimizer step ends the
-   step; until the next step begins where no torch optimizer steps) is measured
-   and compared with the prediction. A prediction off by more than 10%, or a
-   measured peak above the budget, is a :class:`PlanPredictionWarning` naming
-   the stage, and the stage plans again with the difference counted as memory
-   the model does not see (in its ``base``), and checks the new plan on the
-   next step (at most twice). On CPU that measurement runs the torch profiler:
-   a step someone else profiles is left alone and the next one is checked.
+   start, by :mod:`ds_pipe_ckpt.memory`) is measured and compared with the
+   prediction. The step starts where DeepSpeed's ``train_batch()`` calls
+   ``module.train()``, before the stage receives its first activations (or at
+   the step's first forward where nothing calls it), and ends with the
+   optimizer step (or where the next one starts, where no torch optimizer
+   steps). A prediction off by more than 10%, or a measured peak above the
+   budget, is a :class:`PlanPredictionWarning` naming the stage; the stage
+   plans again at the next step's start (gradients are freed then, as when it
+   first planned) with the difference counted as memory the model does not see
+   (in its ``base``), and checks the new plan in that step (at most twice). On
+   CPU that measurement runs the torch profiler: a step someone else profiles
+   is left alone and the next one is checked.
 
 What the model does not vary with the plan is its ``base``: the engine's
 buffers for the micro-batches in flight (stage inputs and outputs) and the
@@ -129,6 +133,8 @@ class StagePlanner:
         self._tracker: memory.MemoryTracker | None = None
         self._step_end_hook: Any = None
         self._checked = False
+        self._replan_from: PlannedStage | None = None  # a checked plan to make again at the next step's start
+        self._step_begun = False  # module.train() began the step before its first forward
         self.calibrations = 0
         self.unmodelled_bytes = 0  # what measured steps showed beyond the model (may be negative)
         self.device = next((p.device for p in module.parameters()), torch.device("cpu"))
@@ -142,8 +148,9 @@ class StagePlanner:
         layers = len(module.forward_funcs)
         if not torch.is_grad_enabled():  # evaluation: nothing is kept for a backward
             return module.run_segment(x, 0, layers, seed_offset, checkpointed=False)
-        if self.forwards % self.micro_batches == 0:
+        if self.forwards % self.micro_batches == 0 and not self._step_begun:
             self._step_begins()
+        self._step_begun = False
         self.forwards += 1
         if self.planned is None:
             return self._forward_per_layer(x, seed_offset)
@@ -206,11 +213,25 @@ class StagePlanner:
 
     # -- step boundaries ----------------------------------------------------------------
 
+    def training_step_may_begin(self) -> None:
+        """``module.train()`` was called: DeepSpeed's ``train_batch()`` does so
+        before anything else, so when this stage is between steps, the step
+        begins here, before the engine receives (allocates) its first activations."""
+        if self.forwards % self.micro_batches == 0 and not self._step_begun:
+            self._step_begins()
+            self._step_begun = True
+
     def _step_begins(self) -> None:
-        """At the first forward of a step, the previous one (forwards, backwards,
-        optimizer step) is complete on this stage."""
+        """At the start of a step (``module.train()`` or its first forward), the
+        previous one (forwards, backwards, optimizer step) is complete on this stage."""
         if self._tracking is not None:
             self._finish_check()
+        if self._replan_from is not None:
+            checked, self._replan_from = self._replan_from, None
+            self.planned = self._plan()
+            self.planned.earlier_checks = (*checked.earlier_checks,
+                                           (checked.plan.predicted_peak_bytes, checked.measured_peak_bytes))
+            self._announce()
         if self.planned is None and self.measurement is not None and self.measurement.complete:
             self.planned = self._plan()
             self._announce()
@@ -311,8 +332,8 @@ class StagePlanner:
         over = measured > self.budget_bytes
         calibrate = (off or over) and self.calibrations < MAX_CALIBRATIONS
         if off or over:
-            action = ("Planning again with the difference counted as memory the model does not see; the new plan "
-                      "is checked on the next step." if calibrate else "The plan stands.")
+            action = ("Planning again at the next step's start with the difference counted as memory the model "
+                      "does not see; the new plan is checked in that step." if calibrate else "The plan stands.")
             warnings.warn(PlanPredictionWarning(
                 f"ds_pipe_ckpt: pipeline stage {self.stage}'s checkpointing plan predicted a peak of "
                 f"{predicted / MIB:.2f} MiB above the step's start; the step measured {measured / MIB:.2f} MiB "
@@ -323,7 +344,5 @@ class StagePlanner:
         if calibrate:
             self.calibrations += 1
             self.unmodelled_bytes += measured - predicted
-            self.planned = self._plan()
-            self.planned.earlier_checks = (*planned.earlier_checks, (predicted, measured))
+            self._replan_from = planned
             self._checked = False
-            self._announce()
