@@ -6,8 +6,8 @@ Layout: the K packed tensors are concatenated as raw bytes, each starting at a
 use 16-byte vectors). The total is padded to a multiple of ``16 * world_size``;
 rank ``r`` keeps the contiguous byte range ``[r * shard_bytes, (r + 1) * shard_bytes)``.
 Gaps and padding are zeros. Sharding bytes rather than each tensor separately
-balances the shards for any sizes and dtype mix, and one ``all_gather_into_tensor``
-of the shards rebuilds the whole buffer, from which the tensors are plain views.
+balances the shards for any sizes and dtype mix, and one all-gather into a single
+tensor (``all_gather_single``) of the shards rebuilds the whole buffer, from which the tensors are plain views.
 
 Each tensor is stored in *storage order*: a tensor whose elements are dense in
 memory (contiguous, transposed, channels-last...) keeps its exact strides when

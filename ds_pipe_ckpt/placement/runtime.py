@@ -75,7 +75,9 @@ class CheckpointRuntime:
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> None:
         """The one collective of a partitioned segment's recomputation."""
-        dist.all_gather_into_tensor(output, shard, group=self.group)
+        # torch 2.14 renamed all_gather_into_tensor (now an alias that warns on every call).
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(output, shard, group=self.group)
 
     def reset(self) -> None:
         if self.pool is not None:
