@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import textwrap
 from dataclasses import asdict, dataclass
 from typing import Iterable, Sequence
 
@@ -338,8 +339,9 @@ def write_budget_png(path: str, records: Sequence[dict], machine: dict) -> None:
         axis.set_ylabel("step time, ms (median)")
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
-    figure.suptitle(f"GPT pipeline: step time under a memory budget ({machine['model']}; {machine['device']})",
-                    fontsize=9)
+    title = f"GPT pipeline: step time under a memory budget ({machine['model']}; {machine['device']})"
+    # About 14 characters of a 9-point title per inch: wrap it to the figure.
+    figure.suptitle(textwrap.fill(title, width=int(14 * figure.get_figwidth())), fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
