@@ -10,12 +10,12 @@ set; ``ds_pipe_ckpt.initialize`` creates it through
    first-call allocations would inflate its times) each region carries a
    :class:`~ds_pipe_ckpt.planning.profile.LayerMeter`, and its recomputation runs
    to the end so that every op is seen.
-2. **The next step's first forward: plan.** The measurements, the micro-batches
+2. **The next step's start: plan.** The measurements, the micro-batches
    this stage keeps in flight under DeepSpeed's 1F1B ``TrainSchedule``
    (``min(stages - stage, micro_batches)``) and the budget go to the exact
    solver (:func:`~ds_pipe_ckpt.planning.solver.plan_stage`). The plan is
    printed (one table per stage, on the stage's first rank), exposed as
-   ``PipelineModule.checkpoint_plan``, and followed from this forward on: each
+   ``PipelineModule.checkpoint_plan``, and followed from this step on: each
    segment is stored, checkpointed, or checkpointed selectively. A budget no
    plan fits raises :class:`~ds_pipe_ckpt.ConfigError` naming the smallest
    budget that fits.
