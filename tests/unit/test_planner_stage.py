@@ -104,6 +104,7 @@ def test_the_plan_is_printed_and_checked_against_the_measured_peak(single_rank_p
         assert off <= 0.10 and plan.measured_peak_bytes <= MIB // 2
 
 
+@pytest.mark.filterwarnings("ignore::ds_pipe_ckpt.planning.stage.PlanPredictionWarning")  # re-plans are expected here
 def test_garbage_from_before_the_checked_step_does_not_lower_its_measured_peak(single_rank_process_group):
     """Before every step, a reference cycle that holds 4 MiB becomes garbage;
     the collector runs in the middle of the step (as it does, at whichever
@@ -138,6 +139,7 @@ def test_garbage_from_before_the_checked_step_does_not_lower_its_measured_peak(s
     assert off <= 0.10, (plan.plan.predicted_peak_bytes, plan.measured_peak_bytes, plan.earlier_checks)
 
 
+@pytest.mark.filterwarnings("ignore::ds_pipe_ckpt.planning.stage.PlanPredictionWarning")  # re-plans are expected here
 def test_the_checked_step_begins_where_the_engine_calls_train(single_rank_process_group):
     """DeepSpeed's ``train_batch()`` calls ``module.train()`` and then receives
     the stage's activations before its first forward. What it allocates there
