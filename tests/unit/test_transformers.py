@@ -124,3 +124,28 @@ def test_errors_name_the_transformers_layer(ours_in_transformers):
     with pytest.raises(ds_pipe_ckpt.RecomputeMismatchError,
                        match=r"^Recomputation of checkpointed function GPT2Block\.forward diverged"):
         loss.backward()
+
+
+def test_a_lazy_parameter_cache_inside_a_transformer_block_is_named(ours_in_transformers):
+    """Issue 10's hole, inside GPT-2: the MLP's input projection uses a
+    weight-normed copy of its weight, built on the first call and reused. The
+    recomputation (torch's early stop on) saves fewer tensors than the forward;
+    the block is named, where torch alone raised a bare count mismatch."""
+    torch.manual_seed(0)
+    model = gpt2().train()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    projection = model.transformer.h[1].mlp.c_fc
+    cache = {}
+
+    def weight_normed(hidden_states):
+        if "weight" not in cache:
+            cache["weight"] = projection.weight / projection.weight.norm(dim=0, keepdim=True)
+        flat = hidden_states.reshape(-1, hidden_states.size(-1))
+        return torch.addmm(projection.bias, flat, cache["weight"]).view(*hidden_states.shape[:-1], -1)
+
+    projection.forward = weight_normed
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    loss = model(input_ids=ids, labels=ids).loss
+    with pytest.raises(ds_pipe_ckpt.RecomputeMismatchError,
+                       match=r"^Recomputation of checkpointed function GPT2Block\.forward diverged"):
+        loss.backward()
