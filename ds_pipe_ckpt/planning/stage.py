@@ -148,8 +148,7 @@ class StagePlanner:
         layers = len(module.forward_funcs)
         if not torch.is_grad_enabled():  # evaluation: nothing is kept for a backward
             return module.run_segment(x, 0, layers, seed_offset, checkpointed=False)
-        if self.forwards % self.micro_batches == 0 and not self._step_begun:
-            self._step_begins()
+        self.training_step_may_begin()  # where nothing called module.train(): at the step's first forward
         self._step_begun = False
         self.forwards += 1
         if self.planned is None:
