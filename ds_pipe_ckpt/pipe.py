@@ -15,7 +15,7 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_check
 from .checkpoint import checkpoint_region
 from .config import validate_interval
 from .errors import ConfigError
-from .regions import Region, RegionFacts, describe_callable
+from .regions import Region, RegionFacts, describe_callable, modules_of
 from .settings import current_settings
 
 __all__ = ["PipelineModule", "LayerSpec", "TiedLayerSpec", "REENTRANT", "NON_REENTRANT", "CUSTOM"]
@@ -194,6 +194,14 @@ class PipelineModule(_DSPipelineModule):
 
         return run_layers
 
+    def _segment_modules(self, start: int, end: int) -> tuple[torch.nn.Module, ...]:
+        """The modules local layers ``[start, end)`` are made of (where the
+        region looks for buffers its forward changes, with the modules it calls)."""
+        cache = self.__dict__.setdefault("_modules_by_segment", {})
+        if (start, end) not in cache:
+            cache[(start, end)] = tuple(m for f in self.forward_funcs[start:end] for m in modules_of(f))
+        return cache[(start, end)]
+
     def _segment_facts(self, start: int, end: int) -> RegionFacts:
         """What segment ``[start, end)`` showed on its first call (see :class:`~ds_pipe_ckpt.regions.RegionFacts`)."""
         return self.__dict__.setdefault("_facts_by_segment", {}).setdefault((start, end), RegionFacts())
@@ -204,7 +212,7 @@ class PipelineModule(_DSPipelineModule):
         if mode == CUSTOM:
             return self.activation_checkpoint_func(run, *inputs)
         region = Region(self.segment_label(start, end), micro_batch=self.micro_offset,
-                        facts=self._segment_facts(start, end))
+                        facts=self._segment_facts(start, end), modules=self._segment_modules(start, end))
         if options is None:
             options = current_settings().options(use_reentrant=mode == REENTRANT, policy=policy)
         return checkpoint_region(run, inputs, {}, region, options, observer=observer)

@@ -13,6 +13,9 @@ inputs, and recomputes it in backward with grad enabled. Around it,
   flattened into its tensors and other leaves before DeepSpeed sees it, and
   rebuilt after. An output object that pytree cannot see into but that holds
   tensors is refused (its tensors would come back without a gradient path);
+* leaves module buffers as the forward left them: the recomputation starts
+  from copies of the buffers the forward changes, as they were before it
+  (:mod:`ds_pipe_ckpt.module_state`);
 * refuses a forward that modifies an input in place (the recomputation would
   start from the modified values; the caller's graph would not know about the
   change either, because the forward ran without grad);
@@ -34,6 +37,7 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_check
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import InPlaceInputError
+from .module_state import KeptBuffers, keep_buffers
 from .recompute import mismatch, require_tensor_output
 from .regions import Region
 
@@ -58,11 +62,12 @@ class ReentrantRegion:
     (see the module docstring): first call the forward, second the recomputation."""
 
     def __init__(self, fn: Callable[..., Any], region: Region, kwarg_names: tuple[str, ...], *,
-                 inputs_are_copied: bool):
+                 inputs_are_copied: bool, buffers: KeptBuffers | None = None):
         self.fn = fn
         self.region = region
         self.kwarg_names = kwarg_names
         self.inputs_are_copied = inputs_are_copied
+        self.buffers = buffers  # module buffers the forward changes (ds_pipe_ckpt.module_state)
         self.spec = None
         self.versions: list[int | None] = []
 
@@ -83,7 +88,7 @@ class ReentrantRegion:
 
     def _forward(self, args: tuple) -> tuple:
         versions = [a._version if isinstance(a, torch.Tensor) else None for a in args]
-        out = self._run(args)
+        out = self._run(args) if self.buffers is None else self.buffers.run_forward(self._run, args)
         modified = [i for i, (a, v) in enumerate(zip(args, versions)) if v is not None and a._version != v]
         if modified:
             raise InPlaceInputError(
@@ -114,7 +119,13 @@ class ReentrantRegion:
                     "would see different values and compute wrong gradients. Typically a later layer "
                     "changes, in place, a tensor this region received (or returned). Make that op "
                     "out-of-place (e.g. inplace=False, x = x + y instead of x += y) or clone the tensor first.")
-        out = self._run(args)
+        buffers = self.buffers
+        live = buffers.swap_in() if buffers is not None else None
+        try:
+            out = self._run(args)
+        finally:
+            if live is not None:
+                buffers.swap_out(live)
         leaves, spec = tree_flatten(out)
         if spec != self.spec:
             raise mismatch(self.region, f"it returned {spec} where the forward returned {self.spec}.")
@@ -130,5 +141,6 @@ def reentrant_checkpoint(function: Callable[..., Any], args: tuple, kwarg_names:
                          *, inputs_are_copied: bool) -> Any:
     """``deepspeed.checkpointing.checkpoint`` of ``function`` (see the module docstring);
     ``args`` ends with the values of the keyword arguments named ``kwarg_names``."""
-    wrapped = ReentrantRegion(function, region, kwarg_names, inputs_are_copied=inputs_are_copied)
+    buffers = keep_buffers(region, function) if torch.is_grad_enabled() else None
+    wrapped = ReentrantRegion(function, region, kwarg_names, inputs_are_copied=inputs_are_copied, buffers=buffers)
     return wrapped.rebuild(ds_checkpointing.checkpoint(wrapped, *args))

@@ -3,9 +3,11 @@
 torch calls it once for the forward and once per recomputation; it is the one
 place that tells the two apart. Around the forward it records what the
 recomputation must reproduce (DeepSpeed's model-parallel RNG states, the
-tensors the region saves, with ``verify_recompute`` every op); around each
-recomputation it replays and checks them, inside the region placement's
-synchronisation and timing. It runs on every checkpointed call, so it is
+module buffers the forward changes as they were before it, the tensors the
+region saves, with ``verify_recompute`` every op); around each recomputation
+it replays and checks them, inside the region placement's synchronisation and
+timing, and leaves the modules' buffers as the forward left them
+(:mod:`ds_pipe_ckpt.module_state`). It runs on every checkpointed call, so it is
 written as plain code rather than stacked context managers.
 """
 
@@ -16,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from .inputs import unexpected_modification
+from .module_state import KeptBuffers, keep_buffers
 from .placement.runtime import RegionPlacement
 from .recompute import OpTrace, SavedTensorProbe, renamed, require_tensor_output
 from .regions import Region
@@ -55,6 +58,7 @@ class RegionCall:
         self.placement = placement
         self.observer = observer
         self.tracker_states: dict | None = None  # the tracker's states when the forward started
+        self.buffers: KeptBuffers | None = None  # module buffers the forward changed, as before it
         self.forward_done = False
         self.recomputations = 0
 
@@ -103,7 +107,12 @@ class RegionCall:
         watch = facts.learned and not facts.mutates_inputs and torch.is_grad_enabled()
         tensors = [a for a in args if isinstance(a, torch.Tensor)] if watch else []
         versions = [t._version for t in tensors]
-        out = self.probe.run_forward(self._forward_run(), args)
+        buffers = keep_buffers(self.region, self.fn) if torch.is_grad_enabled() else None
+        if buffers is None:
+            out = self.probe.run_forward(self._forward_run(), args)
+        else:
+            out = buffers.run_forward(lambda a: self.probe.run_forward(self._forward_run(), a), args)
+            self.buffers = buffers or None
         modified = [i for i, (t, version) in enumerate(zip(tensors, versions)) if t._version != version]
         if modified:
             raise unexpected_modification(self.region, modified)
@@ -114,10 +123,13 @@ class RegionCall:
         self.recomputations += 1
         placement, tracker, states = self.placement, self.tracker, self.tracker_states
         started = placement.begin_recomputation() if placement is not None else None
-        live = None
+        live = live_buffers = None
         if states is not None:
             live = tracker.get_states()
             tracker.set_states(dict(states))
+        buffers = self.buffers
+        if buffers is not None:
+            live_buffers = buffers.swap_in()
         try:
             return self.probe.run_recomputation(self._recomputation_run(), args)
         except Exception as error:
@@ -126,6 +138,8 @@ class RegionCall:
                 raise
             raise replacement from error
         finally:
+            if live_buffers is not None:
+                buffers.swap_out(live_buffers)
             if live is not None:
                 tracker.set_states(live)
             if placement is not None:

@@ -18,12 +18,40 @@ from __future__ import annotations
 import collections
 import functools
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
 import torch.nn as nn
 
-__all__ = ["Region", "RegionFacts", "RegionRegistry", "describe_callable", "region_key"]
+__all__ = ["BufferFacts", "Region", "RegionFacts", "RegionRegistry", "describe_callable", "modules_of", "region_key"]
+
+
+_Change = tuple[int, str]  # (index into BufferFacts.owners, buffer name)
+
+
+class BufferFacts:
+    """What a region's forward does to the buffers of the modules it runs.
+
+    ``owners`` is None until a call has been learned, then weak references to
+    the modules that own buffers (in the order first seen); ``changed`` maps
+    the owners' ``training`` flags to the ``(owner, buffer name)`` pairs a
+    forward under those flags changes.
+    """
+
+    __slots__ = ("owners", "changed")
+
+    def __init__(self) -> None:
+        self.owners: tuple[weakref.ref, ...] | None = None
+        self.changed: dict[tuple[bool, ...], tuple[_Change, ...]] = {}
+
+    def changed_buffers(self, modules: list[nn.Module]) -> list[tuple[nn.Module, str]] | None:
+        """The ``(module, buffer name)`` pairs of ``owners`` (alive, as
+        ``modules``) named in ``changed`` for their current ``training`` flags,
+        or None when that combination has not been learned yet."""
+        changes = self.changed.get(tuple(module.training for module in modules))
+        if changes is None:
+            return None
+        return [(modules[owner], name) for owner, name in changes]
 
 
 @dataclass
@@ -32,10 +60,12 @@ class RegionFacts:
 
     ``mutated_inputs`` is ``None`` until a call has been checkpointed (with grad
     enabled), then the positions of the tensor inputs that the region's forward
-    modified in place (empty when it modifies none).
+    modified in place (empty when it modifies none). ``buffers``: which module
+    buffers its forward changes (:mod:`ds_pipe_ckpt.module_state`).
     """
 
     mutated_inputs: frozenset[int] | None = None
+    buffers: BufferFacts = field(default_factory=BufferFacts)
 
     @property
     def learned(self) -> bool:
@@ -51,16 +81,19 @@ class Region:
 
     ``name`` is a string, or the checkpointed callable itself, described (by
     :func:`describe_callable`) only when a message needs it: regions are
-    created on every checkpointed call.
+    created on every checkpointed call. ``modules``: the modules the region is
+    made of, where its callable does not show them (a pipeline segment's
+    layers); None: found from the callable (:func:`modules_of`).
     """
 
-    __slots__ = ("_name", "micro_batch", "facts")
+    __slots__ = ("_name", "micro_batch", "facts", "modules")
 
     def __init__(self, name: str | Callable[..., Any], micro_batch: int | None = None,
-                 facts: RegionFacts | None = None):
+                 facts: RegionFacts | None = None, modules: tuple[nn.Module, ...] | None = None):
         self._name = name
         self.micro_batch = micro_batch
         self.facts = facts if facts is not None else RegionFacts()
+        self.modules = modules
 
     @property
     def name(self) -> str:
@@ -117,6 +150,25 @@ def describe_callable(function: Callable[..., Any]) -> str:
     if isinstance(target, nn.Module) or not (hasattr(target, "__qualname__") or hasattr(target, "__name__")):
         return type(target).__name__
     return getattr(target, "__qualname__", None) or target.__name__
+
+
+def modules_of(function: Callable[..., Any]) -> list[nn.Module]:
+    """The modules a callable is made of: itself, the object of a bound method
+    or of a ``functools.partial`` of a method, a partial's module arguments,
+    and the modules its closure captured."""
+    found = []
+    while isinstance(function, functools.partial):
+        found += [a for a in (*function.args, *function.keywords.values()) if isinstance(a, nn.Module)]
+        function = function.func
+    target, instance = _unwrap(function)
+    found += [obj for obj in (target, instance) if isinstance(obj, nn.Module)]
+    for cell in getattr(target, "__closure__", None) or ():
+        try:
+            if isinstance(cell.cell_contents, nn.Module):
+                found.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            pass
+    return found
 
 
 def region_key(function: Callable[..., Any]) -> tuple[Hashable, tuple[Any, ...]]:

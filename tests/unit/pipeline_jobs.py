@@ -63,10 +63,23 @@ def tied_layer_specs():
     ]
 
 
-MODELS = {"plain": layer_specs, "tied": tied_layer_specs}
+def batchnorm_layer_specs():
+    """BatchNorm after each hidden linear (running statistics, num_batches_tracked),
+    an in-place ReLU first in a segment."""
+    return [
+        LayerSpec(nn.Linear, 8, HIDDEN),
+        LayerSpec(nn.BatchNorm1d, HIDDEN, momentum=0.3),
+        LayerSpec(nn.ReLU, inplace=True),
+        LayerSpec(nn.Linear, HIDDEN, HIDDEN),
+        LayerSpec(nn.BatchNorm1d, HIDDEN),
+        LayerSpec(nn.Linear, HIDDEN, 4),
+    ]
 
 
-def ds_config(micro_batch, grad_accum, dp, use_reentrant=None, interval=None):
+MODELS = {"plain": layer_specs, "tied": tied_layer_specs, "batchnorm": batchnorm_layer_specs}
+
+
+def ds_config(micro_batch, grad_accum, dp, use_reentrant=None, interval=None, activation_checkpointing=None):
     config = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": grad_accum,
@@ -78,6 +91,8 @@ def ds_config(micro_batch, grad_accum, dp, use_reentrant=None, interval=None):
         config["pipeline"]["use_reentrant"] = use_reentrant
     if interval is not None:
         config["pipeline"]["activation_checkpoint_interval"] = interval
+    if activation_checkpointing is not None:
+        config["activation_checkpointing"] = activation_checkpointing
     return config
 
 
@@ -96,7 +111,8 @@ def train(case, pp, steps=10, micro_batch=16, grad_accum=2):
     ``case`` keys: ``init`` ("deepspeed" or "ours"), ``use_reentrant`` (None = absent
     from the JSON), ``interval`` (module argument), ``config_interval`` (JSON), and
     ``set_interval_later`` (call set_checkpoint_interval after initialize), ``model``
-    (a key of MODELS) and ``checkpointable_layers``.
+    (a key of MODELS), ``checkpointable_layers`` and ``activation_checkpointing`` (the
+    JSON section).
     """
     ds_pipe_ckpt.configure()  # defaults; ours re-configures from the JSON
     world = torch.distributed.get_world_size()
@@ -107,7 +123,8 @@ def train(case, pp, steps=10, micro_batch=16, grad_accum=2):
                             activation_checkpoint_interval=case.get("interval", 0),
                             checkpointable_layers=case.get("checkpointable_layers"))
     first_weight = next(module.parameters()).detach().clone()
-    config = ds_config(micro_batch, grad_accum, dp, case.get("use_reentrant"), case.get("config_interval"))
+    config = ds_config(micro_batch, grad_accum, dp, case.get("use_reentrant"), case.get("config_interval"),
+                       case.get("activation_checkpointing"))
     optimizer = torch.optim.Adam(module.parameters(), lr=0.02)
     init = deepspeed.initialize if case["init"] == "deepspeed" else ds_pipe_ckpt.initialize
     engine, _, _, _ = init(model=module, optimizer=optimizer, config=config)
@@ -127,6 +144,8 @@ def train(case, pp, steps=10, micro_batch=16, grad_accum=2):
         "initial_first_weight": first_weight,
         "input_requires_grad": engine._reentrant_activation_checkpointing(),
         "params": {name: p.detach().clone() for name, p in module.named_parameters()},
+        "buffers": {name: b.clone() for name, b in module.named_buffers()},
+        "planned": module.checkpoint_plan is not None,
     }
 
 
