@@ -27,7 +27,6 @@ Two modes, chosen by ``pipeline.use_reentrant`` / ``use_reentrant=``:
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable
 
 import torch
@@ -40,7 +39,6 @@ from .placement.runtime import placement_for
 from .reentrant import reentrant_checkpoint
 from .region_call import RegionCall
 from .regions import Region
-from .selective import ops_to_keep, selective_context_fn
 from .settings import CheckpointingSettings, current_settings
 from .errors import ReentrantFallbackWarning
 
@@ -59,40 +57,26 @@ _IN_PLACE_WARNING = (
     "silence this warning.")
 
 
-def _context_fn(options: CheckpointOptions) -> Callable[[], tuple]:
-    if options.selective:
-        return selective_context_fn(ops_to_keep(options.save_ops))
-    return options.context_fn if options.context_fn is not None else torch_checkpoint.noop_context_fn
-
-
 def checkpoint_non_reentrant(function: Callable[..., Any], args: tuple, kwarg_names: tuple[str, ...],
                              region: Region, options: CheckpointOptions, settings: CheckpointingSettings,
                              observer: Any = None) -> Any:
     """torch's non-reentrant checkpoint of ``function`` (see the module docstring);
     ``args`` ends with the values of the keyword arguments named ``kwarg_names``.
     ``observer``: see :class:`~ds_pipe_ckpt.region_call.RegionCall`."""
-    placement = placement_for(settings.config, settings.model_parallel)
+    placement = placement_for(settings)
     call = RegionCall(function, region, kwarg_names=kwarg_names,
                       tracker=ds_checkpointing.get_cuda_rng_tracker() if options.preserve_rng_state else None,
                       check=options.determinism_check != "none", verify=options.verify, placement=placement,
                       observer=observer)
-    extra = {}
-    if options.respect_saved_tensors_hooks is not None:
-        extra["respect_saved_tensors_hooks"] = options.respect_saved_tensors_hooks
     # Our input hooks are needed to learn about a region, to recompute one that
     # modifies its input from a private copy, and to hand the inputs to a
     # placement. Otherwise torch saves the inputs itself, and its version check
     # (renamed by the probe to name the region) refuses a modified one.
-    facts = region.facts
-    inputs = SavedInputs(region, placement) if placement is not None or not facts.learned or facts.mutates_inputs \
-        else contextlib.nullcontext()
-    with inputs:
-        # verify compares every op of the recomputation: it must run to the end.
-        return torch_checkpoint.checkpoint(call, *args, use_reentrant=False,
-                                           preserve_rng_state=options.preserve_rng_state,
-                                           context_fn=_context_fn(options),
-                                           determinism_check=options.determinism_check, debug=options.debug,
-                                           early_stop=options.early_stop and not options.verify, **extra)
+    mutated = region.facts.mutated_inputs  # None: not learned yet
+    if placement is None and mutated is not None and not mutated:
+        return torch_checkpoint.checkpoint(call, *args, **options.torch_keywords)
+    with SavedInputs(region, placement):
+        return torch_checkpoint.checkpoint(call, *args, **options.torch_keywords)
 
 
 def _inputs_are_copied(settings: CheckpointingSettings) -> bool:
@@ -104,11 +88,14 @@ def _inputs_are_copied(settings: CheckpointingSettings) -> bool:
 
 
 def checkpoint_region(function: Callable[..., Any], args: tuple, kwargs: dict, region: Region,
-                      options: CheckpointOptions, observer: Any = None) -> Any:
+                      options: CheckpointOptions, observer: Any = None,
+                      settings: CheckpointingSettings | None = None) -> Any:
     """Checkpoint ``function(*args, **kwargs)`` as ``region`` with ``options``
-    (what :func:`checkpoint` and ``PipelineModule`` call). An ``observer``
-    (non-reentrant mode only) watches the forward and the recomputation."""
-    settings = current_settings()
+    (what :func:`checkpoint` and ``PipelineModule`` call) under ``settings``
+    (None: the settings in force). An ``observer`` (non-reentrant mode only)
+    watches the forward and the recomputation."""
+    if settings is None:
+        settings = current_settings()
     kwarg_names = tuple(kwargs)
     flat = (*args, *kwargs.values()) if kwargs else args
     if not options.use_reentrant:
@@ -189,4 +176,4 @@ def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool | N
                                verify=verify, context_fn=context_fn,
                                respect_saved_tensors_hooks=respect_saved_tensors_hooks)
     region = Region(function, facts=settings.regions.facts_for(function))
-    return checkpoint_region(function, args, kwargs, region, options)
+    return checkpoint_region(function, args, kwargs, region, options, settings=settings)

@@ -32,12 +32,14 @@ _Base = getattr(torch_checkpoint, "_checkpoint_internal_hook", torch.autograd.gr
 class TransparentHooks(_Base):
     """``saved_tensors_hooks(pack, unpack)`` that torch's checkpoint treats as its own.
 
-    ``pack`` must be a function object (a closure or a plain function, not a
-    bound method): the mark is set as an attribute on it.
+    ``pack`` must take attributes: a function object (a closure or a plain
+    function, not a bound method), on which the mark is set, or an object that
+    carries the mark already and has a ``_user_hooks`` attribute slot.
     """
 
     def __init__(self, pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]):
-        pack._checkpoint_internal = True
+        if not getattr(pack, "_checkpoint_internal", False):
+            pack._checkpoint_internal = True
         super().__init__(pack, unpack)
 
 

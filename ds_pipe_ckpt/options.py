@@ -17,11 +17,15 @@ use for them (its recomputation always runs to the end; see
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+import torch.utils.checkpoint as torch_checkpoint
+
 from .config import CheckpointingConfig
 from .errors import ConfigError
+from .selective import ops_to_keep, selective_context_fn
 
 __all__ = ["CheckpointOptions", "DETERMINISM_CHECKS"]
 
@@ -112,6 +116,22 @@ class CheckpointOptions:
         if self.debug and (self.context_fn is not None or self.selective):
             raise ConfigError("debug", True, "False with a context_fn or the selective policy",
                               "torch's debug mode installs its own context_fn.")
+
+    @functools.cached_property
+    def torch_keywords(self) -> dict[str, Any]:
+        """The keyword arguments of ``torch.utils.checkpoint.checkpoint`` for
+        these options (computed once: every non-reentrant call passes them)."""
+        if self.selective:
+            context_fn = selective_context_fn(ops_to_keep(self.save_ops))
+        else:
+            context_fn = self.context_fn if self.context_fn is not None else torch_checkpoint.noop_context_fn
+        keywords = {"use_reentrant": False, "preserve_rng_state": self.preserve_rng_state, "context_fn": context_fn,
+                    "determinism_check": self.determinism_check, "debug": self.debug,
+                    # verify compares every op of the recomputation: it must run to the end.
+                    "early_stop": self.early_stop and not self.verify}
+        if self.respect_saved_tensors_hooks is not None:
+            keywords["respect_saved_tensors_hooks"] = self.respect_saved_tensors_hooks
+        return keywords
 
     def learning(self) -> "CheckpointOptions":
         """The options of a reentrant-mode region's first call, which runs

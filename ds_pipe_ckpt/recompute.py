@@ -133,61 +133,95 @@ def _describe_saved(entry: tuple | None) -> str:
     return f"{what}, {list(shape)} {str(dtype).removeprefix('torch.')}"
 
 
+def _entries(record: list) -> list[tuple]:
+    """A flat record (origin, shape, dtype, origin, shape, dtype, ...) as one tuple per saved tensor."""
+    return [tuple(record[i:i + 3]) for i in range(0, len(record), 3)]
+
+
+class _Pack:
+    """The probe's pack hook: records a saved tensor's origin, shape and dtype
+    (flat, three list items per tensor: fewer objects live until backward),
+    then hands it to torch checkpoint's own pack hook. A slotted callable
+    rather than a closure: it runs once per saved tensor, and each closure
+    would keep its cells alive until the backward."""
+
+    # _user_hooks: set by torch's checkpoint while the pair is on the hooks stack (ds_pipe_ckpt.hooks)
+    __slots__ = ("torch_pack", "input_ids", "record", "_user_hooks")
+    _checkpoint_internal = True  # see ds_pipe_ckpt.hooks
+
+    def __init__(self, torch_pack: Callable[[torch.Tensor], Any], inputs: tuple, record: list):
+        self.torch_pack = torch_pack
+        ids = set()
+        for value in inputs:
+            if isinstance(value, torch.Tensor):
+                ids.add(id(value))
+        self.input_ids = ids
+        self.record = record
+
+    def __call__(self, tensor: torch.Tensor) -> Any:
+        if id(tensor) in self.input_ids:
+            origin = _INPUT
+        else:
+            node = tensor.grad_fn
+            origin = type(node) if node is not None else tensor.requires_grad
+        self.record += (origin, tensor.shape, tensor.dtype)
+        return self.torch_pack(tensor)
+
+
+class _Unpack:
+    """The probe's unpack hook: torch checkpoint's own, with its errors renamed
+    to name the region (torch recomputes the region inside its unpack hook and
+    checks the result there, outside the region's function)."""
+
+    __slots__ = ("torch_unpack", "region")
+
+    def __init__(self, torch_unpack: Callable[[Any], torch.Tensor], region: Region):
+        self.torch_unpack = torch_unpack
+        self.region = region
+
+    def __call__(self, handle: Any) -> torch.Tensor:
+        try:
+            return self.torch_unpack(handle)
+        except (InPlaceInputError, RecomputeMismatchError):
+            raise
+        except torch_checkpoint.CheckpointError as error:
+            if isinstance(error.__cause__, RecomputeMismatchError):
+                # torch's debug mode wrapped ours: keep our message, add its op traces.
+                raise RecomputeMismatchError(f"{error.__cause__}\n\ntorch's debug report:\n{error}") from error
+            raise mismatch(self.region, _first_line(error)) from error
+        except RuntimeError as error:
+            if _INPUT_MODIFIED in str(error):  # autograd's version check of a saved input
+                raise modified_input(self.region, _first_line(error)) from error
+            raise
+
+
 class SavedTensorProbe:
     """Watches the tensors one region saves for backward (see the module docstring).
 
     :meth:`run_forward` runs the region's forward, :meth:`run_recomputation`
-    each recomputation; both push a :class:`~ds_pipe_ckpt.hooks.TransparentHooks`
-    pair on top of the pair torch's checkpoint has just pushed and delegate
-    every save and unpack to it.
+    each recomputation; both push a saved-tensor hooks pair on top of the pair
+    torch's checkpoint has just pushed (marked as torch's own, see
+    :mod:`ds_pipe_ckpt.hooks`) and delegate every save and unpack to it.
     """
+
+    __slots__ = ("region", "compare", "forward_saved")
 
     def __init__(self, region: Region, *, compare: bool = True):
         self.region = region
         self.compare = compare  # False (determinism_check="none"): only name torch's own errors
-        self.forward_saved: list[tuple] | None = None
-
-    def _hooks(self, torch_hooks: tuple, inputs: tuple, record: list) -> TransparentHooks:
-        torch_pack, torch_unpack = torch_hooks
-        input_ids = frozenset(id(t) for t in inputs if isinstance(t, torch.Tensor))
-        region = self.region
-
-        def pack(tensor: torch.Tensor) -> Any:  # one call per saved tensor: kept lean
-            if id(tensor) in input_ids:
-                origin = _INPUT
-            else:
-                node = tensor.grad_fn
-                origin = type(node) if node is not None else tensor.requires_grad
-            record.append((origin, tensor.shape, tensor.dtype))
-            return torch_pack(tensor)
-
-        def unpack(handle: Any) -> torch.Tensor:
-            # torch recomputes the region inside its unpack hook and checks the
-            # result there, outside the region's function: name the region here.
-            try:
-                return torch_unpack(handle)
-            except (InPlaceInputError, RecomputeMismatchError):
-                raise
-            except torch_checkpoint.CheckpointError as error:
-                if isinstance(error.__cause__, RecomputeMismatchError):
-                    # torch's debug mode wrapped ours: keep our message, add its op traces.
-                    raise RecomputeMismatchError(f"{error.__cause__}\n\ntorch's debug report:\n{error}") from error
-                raise mismatch(region, _first_line(error)) from error
-            except RuntimeError as error:
-                if _INPUT_MODIFIED in str(error):  # autograd's version check of a saved input
-                    raise modified_input(region, _first_line(error)) from error
-                raise
-
-        return TransparentHooks(pack, unpack)
+        self.forward_saved: list | None = None  # flat: see _Pack
 
     def run_forward(self, run: Callable[[tuple], Any], args: tuple) -> Any:
         """``run(args)``, the forward, recording what it saves."""
         torch_hooks = top_hooks()
         if torch_hooks is None:  # not under a checkpoint (grad disabled): nothing is saved
             return run(args)
-        saved: list[tuple] = []
-        with self._hooks(torch_hooks, args, saved):
+        saved: list = []
+        pack = _Pack(torch_hooks[0], args, saved)
+        with TransparentHooks(pack, _Unpack(torch_hooks[1], self.region)):
             out = run(args)
+        # The saved tensors keep the pack hook until the backward; the inputs' ids are not needed after.
+        pack.input_ids = None
         self.forward_saved = saved
         return out
 
@@ -196,9 +230,9 @@ class SavedTensorProbe:
         torch_hooks = top_hooks()
         if torch_hooks is None or self.forward_saved is None or not self.compare:
             return run(args)
-        saved: list[tuple] = []
+        saved: list = []
         try:
-            with self._hooks(torch_hooks, args, saved):
+            with TransparentHooks(_Pack(torch_hooks[0], args, saved), _Unpack(torch_hooks[1], self.region)):
                 out = run(args)
         except STOP_RECOMPUTATION:
             # torch stopped it once it had rebuilt as many tensors as the forward saved.
@@ -212,13 +246,14 @@ class SavedTensorProbe:
         self._compare(saved, finished=True)
         return out
 
-    def _compare(self, recomputed: list[tuple], *, finished: bool, cause: BaseException | None = None) -> None:
+    def _compare(self, recomputed: list, *, finished: bool, cause: BaseException | None = None) -> None:
         forward = self.forward_saved
         # Finished: it must have saved exactly what the forward saved (with early
         # stop on, finishing at all means it saved fewer). Stopped: what it saved
         # so far must be the forward's first tensors.
         if recomputed == (forward if finished else forward[:len(recomputed)]):
             return
+        forward, recomputed = _entries(forward), _entries(recomputed)
         i = next((i for i, (a, b) in enumerate(zip(forward, recomputed)) if a != b),
                  min(len(forward), len(recomputed)))
         if i < len(recomputed) and i < len(forward):

@@ -20,7 +20,7 @@ import torch
 from .inputs import unexpected_modification
 from .module_state import KeptBuffers, keep_buffers
 from .placement.runtime import RegionPlacement
-from .recompute import OpTrace, SavedTensorProbe, renamed, require_tensor_output
+from .recompute import STOP_RECOMPUTATION, OpTrace, SavedTensorProbe, renamed, require_tensor_output
 from .regions import Region
 
 __all__ = ["RegionCall"]
@@ -97,26 +97,36 @@ class RegionCall:
         return self._forward(args)
 
     def _forward(self, args: tuple) -> Any:
-        if self.tracker is not None:
-            # get_states() copies the dict; fork() replaces entries, never mutates them.
-            # No streams (no model-parallel seed set): nothing to replay.
-            self.tracker_states = self.tracker.get_states() or None
-        facts = self.region.facts
+        # Written for the per-call cost: plain loops, no comprehensions (each is a call).
+        tracker = self.tracker
+        if tracker is not None and tracker.states_:
+            # No streams (no model-parallel seed set): nothing to replay. get_states()
+            # copies the dict; fork() replaces entries, never mutates them.
+            self.tracker_states = tracker.get_states()
+        region = self.region
+        facts = region.facts
+        grad = torch.is_grad_enabled()
         # A region known to leave its inputs alone has no private copies
         # (ds_pipe_ckpt.inputs): if it modifies one now, say so here.
-        watch = facts.learned and not facts.mutates_inputs and torch.is_grad_enabled()
-        tensors = [a for a in args if isinstance(a, torch.Tensor)] if watch else []
-        versions = [t._version for t in tensors]
-        buffers = keep_buffers(self.region, self.fn) if torch.is_grad_enabled() else None
+        watched = []  # (position among the tensor inputs, tensor, version)
+        if grad and facts.mutated_inputs is not None and not facts.mutated_inputs:
+            for value in args:
+                if isinstance(value, torch.Tensor):
+                    watched.append((len(watched), value, value._version))
+        run = self._run if self.observer is None and self.trace is None else self._forward_run()
+        # Module buffers the forward changes (ds_pipe_ckpt.module_state); owners == (): none at all.
+        buffers = keep_buffers(region, self.fn) if grad and facts.buffers.owners != () else None
         if buffers is None:
-            out = self.probe.run_forward(self._forward_run(), args)
+            out = self.probe.run_forward(run, args)
         else:
-            out = buffers.run_forward(lambda a: self.probe.run_forward(self._forward_run(), a), args)
+            out = buffers.run_forward(lambda a: self.probe.run_forward(run, a), args)
             self.buffers = buffers or None
-        modified = [i for i, (t, version) in enumerate(zip(tensors, versions)) if t._version != version]
-        if modified:
-            raise unexpected_modification(self.region, modified)
-        require_tensor_output(out, self.region)
+        for position, tensor, version in watched:
+            if tensor._version != version:
+                raise unexpected_modification(
+                    region, [p for p, t, v in watched if t._version != v])
+        if not isinstance(out, torch.Tensor):
+            require_tensor_output(out, region)
         return out
 
     def _recompute(self, args: tuple) -> Any:
@@ -130,8 +140,11 @@ class RegionCall:
         buffers = self.buffers
         if buffers is not None:
             live_buffers = buffers.swap_in()
+        run = self._run if self.observer is None and self.trace is None else self._recomputation_run()
         try:
-            return self.probe.run_recomputation(self._recomputation_run(), args)
+            return self.probe.run_recomputation(run, args)
+        except STOP_RECOMPUTATION:  # torch's early stop, on every recomputation
+            raise
         except Exception as error:
             replacement = renamed(self.region, error)
             if replacement is None:

@@ -58,7 +58,12 @@ class CheckpointingSettings:
         configured) under this configuration, cached: it runs on every
         checkpointed call."""
         # Types too: True and 1 are equal keys, and only one of them is valid.
-        key = tuple((name, type(value), value) for name, value in keywords.items() if value is not None)
+        # A plain loop: a generator expression would be a call per keyword.
+        parts = []
+        for name, value in keywords.items():
+            if value is not None:
+                parts += (name, type(value), value)
+        key = tuple(parts)
         try:
             return self._options[key]
         except KeyError:

@@ -28,7 +28,7 @@ from .pool import BufferPool
 from ..errors import ConfigError
 from ..parallel import TensorParallelGroup
 from .profiling import CheckpointProfiler, CheckpointRecord
-from ..settings import current_settings
+from ..settings import CheckpointingSettings, current_settings
 from .stash import SegmentStash
 
 __all__ = ["placement_for", "RegionPlacement", "reset", "profile_records", "CheckpointRuntime"]
@@ -58,11 +58,8 @@ class CheckpointRuntime:
         self.pool = BufferPool(config.number_checkpoints) if config.contiguous_memory_optimization else None
         self.profiler = CheckpointProfiler(self._synchronize) if config.profile else None
         self.checkpoints = 0  # checkpoint calls so far, to number profile records
-
-    @property
-    def active(self) -> bool:
-        """Whether checkpoints need anything from this runtime at all."""
-        return self.places_inputs or self.config.synchronize_checkpoint_boundary or self.profiler is not None
+        # Whether checkpoints need anything from this runtime at all (read on every call).
+        self.active = self.places_inputs or config.synchronize_checkpoint_boundary or self.profiler is not None
 
     @staticmethod
     def _synchronize() -> None:
@@ -82,16 +79,6 @@ class CheckpointRuntime:
     def reset(self) -> None:
         if self.pool is not None:
             self.pool.reset()
-
-
-def _runtime_for(config: CheckpointingConfig, model_parallel: TensorParallelGroup | None) -> CheckpointRuntime:
-    settings = current_settings()
-    if settings.config is config and settings.model_parallel is model_parallel:
-        if settings.runtime is None:
-            settings.runtime = CheckpointRuntime(config, model_parallel)
-        return settings.runtime
-    # A configuration other than the one in force: nothing to share with it.
-    return CheckpointRuntime(config, model_parallel)
 
 
 class RegionPlacement:
@@ -158,11 +145,14 @@ class RegionPlacement:
             runtime.profiler.log(self.record, "recompute")
 
 
-def placement_for(config: CheckpointingConfig, model_parallel: TensorParallelGroup | None) -> RegionPlacement | None:
-    """A placement for one checkpoint call, or None when no
+def placement_for(settings: CheckpointingSettings) -> RegionPlacement | None:
+    """A placement for one checkpoint call under ``settings``, or None when no
     ``activation_checkpointing`` option needs one (inputs are then kept by
-    reference, nothing is synchronised or timed)."""
-    runtime = _runtime_for(config, model_parallel)
+    reference, nothing is synchronised or timed). The checkpoints of one
+    settings object share its runtime (buffer pool, profile records)."""
+    runtime = settings.runtime
+    if runtime is None:
+        runtime = settings.runtime = CheckpointRuntime(settings.config, settings.model_parallel)
     return RegionPlacement(runtime) if runtime.active else None
 
 

@@ -242,7 +242,7 @@ def test_no_placement_when_nothing_needs_it(options):
     """Partitioning over a group of one rank would only copy the inputs: it is a no-op."""
     configure(**options)
     settings = ds_pipe_ckpt.current_settings()
-    assert partition.placement_for(settings.config, settings.model_parallel) is None
+    assert partition.placement_for(settings) is None
     assert partition.profile_records() == []
 
 
