@@ -79,7 +79,8 @@ def _require_bool(key: str, value: Any) -> bool:
 def validate_interval(key: str, value: Any) -> int:
     """Return ``value`` if it is a valid checkpoint interval (an int >= 0)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(key, value, "an integer >= 0 (0 disables activation checkpointing)")
+        raise ConfigError(key, value, "an integer >= 0 (0 disables activation checkpointing)",
+                          upstream="assert interval >= 0")
     return value
 
 
@@ -120,7 +121,8 @@ class CheckpointingConfig:
             raise ConfigError(key_of["contiguous_memory_optimization"], True,
                               "false unless partition_activations is true",
                               "Contiguous buffers hold partitioned activations: set "
-                              f"{SECTION}.partition_activations to true.")
+                              f"{SECTION}.partition_activations to true.",
+                              upstream="Contiguous Checkpointing is only available with partitioned activations.")
         for key in ("debug", "verify_recompute"):
             if getattr(self, key) and self.use_reentrant:
                 raise ConfigError(key_of[key], True, "false unless pipeline.use_reentrant is false",
@@ -130,7 +132,8 @@ class CheckpointingConfig:
             raise ConfigError(key_of["number_checkpoints"], None,
                               "a positive integer when contiguous_memory_optimization is true",
                               "Set it to the number of checkpointed segments per micro-batch "
-                              "(the buffers are sized from it).")
+                              "(the buffers are sized from it).",
+                              upstream="Must specify the number of layers with contiguous memory checkpointing")
 
     def _check_policy(self, key_of: dict[str, str]) -> None:
         if self.policy not in POLICIES:

@@ -9,19 +9,25 @@ from torch.utils.checkpoint import CheckpointError
 __all__ = ["ConfigError", "RecomputeMismatchError", "InPlaceInputError", "ReentrantFallbackWarning"]
 
 
-class ConfigError(ValueError):
+class ConfigError(ValueError, AssertionError):
     """A configuration value (JSON key or keyword argument) is invalid.
 
-    The message names the key, the value received and what is allowed.
+    The message names the key, the value received and what is allowed. Also an
+    ``AssertionError``: where upstream DeepSpeed checks the same thing with an
+    ``assert``, code written against upstream (``except AssertionError``,
+    ``pytest.raises(AssertionError, match=...)``) catches ours too, and the
+    message ends with upstream's words (``upstream``).
     """
 
-    def __init__(self, key: str, value, allowed: str, hint: str = ""):
+    def __init__(self, key: str, value, allowed: str, hint: str = "", *, upstream: str = ""):
         self.key = key
         self.value = value
         self.allowed = allowed
         message = f"{key} = {value!r} is invalid: expected {allowed}."
         if hint:
             message += f" {hint}"
+        if upstream:
+            message += f" (DeepSpeed: {upstream})"
         super().__init__(message)
 
 

@@ -103,7 +103,8 @@ class PipelineModule(_DSPipelineModule):
             if isinstance(checkpointable_layers, str) or not all(
                     isinstance(name, str) for name in checkpointable_layers):
                 raise ConfigError("checkpointable_layers", checkpointable_layers,
-                                  "a list of layer class names (strings) or None")
+                                  "a list of layer class names (strings) or None",
+                                  upstream="param `checkpointable_layers` must be type of list.")
             checkpointable_layers = list(checkpointable_layers)
         super().__init__(layers,
                          num_stages=num_stages,

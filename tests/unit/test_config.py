@@ -212,3 +212,55 @@ def test_verify_recompute_needs_non_reentrant():
     with pytest.raises(ConfigError, match=r"activation_checkpointing\.verify_recompute = True is invalid: "
                                           r"expected false unless pipeline\.use_reentrant is false"):
         CheckpointingConfig.from_ds_config({"activation_checkpointing": {"verify_recompute": True}})
+
+
+# -- upstream's asserts: code that catches what DeepSpeed raises catches ours --------------
+
+def _upstream_configure(**kwargs):
+    from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
+
+    return ds_checkpointing.configure(mpu_=None, **kwargs)
+
+
+UPSTREAM_CONFIGURE_ASSERTS = [
+    # DeepSpeed's test_configure_with_contiguous_checkpointing_requires_num_checkpoints
+    pytest.param({"partition_activations": True, "contiguous_checkpointing": True}, "number of layers",
+                 id="contiguous_without_num_checkpoints"),
+    pytest.param({"partition_activations": False, "contiguous_checkpointing": True, "num_checkpoints": 4},
+                 "only available with partitioned activations", id="contiguous_without_partitioning"),
+]
+
+
+@pytest.mark.parametrize("kwargs, words", UPSTREAM_CONFIGURE_ASSERTS)
+def test_configure_raises_what_upstream_asserts(kwargs, words):
+    with pytest.raises(AssertionError, match=words) as upstream:
+        _upstream_configure(**kwargs)
+    with pytest.raises(AssertionError, match=words) as ours:
+        ds_pipe_ckpt.configure(mpu_=None, **kwargs)
+    assert isinstance(ours.value, ConfigError) and isinstance(ours.value, ValueError)
+    assert str(upstream.value).split(".")[0] in str(ours.value)  # upstream's words, and ours before them
+    assert str(ours.value).startswith("activation_checkpointing.")
+
+
+UPSTREAM_PIPELINE_ASSERTS = [
+    pytest.param(lambda m: m(checkpointable_layers="Linear"), "must be type of list", id="checkpointable_layers"),
+    pytest.param(lambda m: m().set_checkpoint_interval(-1), "interval >= 0", id="negative_interval"),
+]
+
+
+@pytest.mark.parametrize("build, words", UPSTREAM_PIPELINE_ASSERTS)
+def test_pipeline_module_raises_what_upstream_asserts(single_rank_process_group, build, words):
+    import functools
+
+    import deepspeed.pipe
+    import torch.nn as nn
+
+    def module(cls, **kwargs):
+        return cls(layers=[nn.Linear(2, 2)], num_stages=1, **kwargs)
+
+    with pytest.raises(AssertionError) as upstream:
+        build(functools.partial(module, deepspeed.pipe.PipelineModule))
+    with pytest.raises(AssertionError, match=words) as ours:
+        build(functools.partial(module, ds_pipe_ckpt.PipelineModule))
+    assert isinstance(ours.value, ConfigError)
+    assert str(upstream.value) in str(ours.value)
