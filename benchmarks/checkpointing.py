@@ -5,6 +5,8 @@ Run from the repository root::
 
     python -m benchmarks.checkpointing [--quick] [--json PATH] [--png PATH]
     python -m benchmarks.checkpointing --preset gpu --json PATH --png PATH   # on a GPU
+    python -m benchmarks.checkpointing --threads 1 --workloads small_regions_32 small_regions_1024 \
+        --variants none torch_non_reentrant deepspeed_non_reentrant ours_non_reentrant   # per-call cost
 
 For each workload (:mod:`benchmarks.workloads`) and variant
 (:mod:`benchmarks.variants`) it prints the peak memory of one forward+backward
@@ -36,7 +38,7 @@ from .floor import checkpointing_floor, segment_sizes  # noqa: E402
 from .measure import Result, Stage, measure_in_rank, measure_variants  # noqa: E402
 from .report import WorkloadReport, markdown, write_json, write_png  # noqa: E402
 from .variants import VARIANTS, Variant  # noqa: E402
-from .workloads import SIZES, WORKLOAD_NAMES, build_workload  # noqa: E402
+from .workloads import DEFAULT_WORKLOADS, SIZES, WORKLOAD_NAMES, build_workload  # noqa: E402
 
 __all__ = ["main"]
 
@@ -138,7 +140,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--repetitions", type=int, default=None,
                         help=f"timed steps per variant, at least 5 (default {FULL_REPETITIONS}; "
                         f"{QUICK_REPETITIONS} with --quick)")
-    parser.add_argument("--workloads", nargs="+", choices=WORKLOAD_NAMES, default=list(WORKLOAD_NAMES))
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOAD_NAMES, default=list(DEFAULT_WORKLOADS),
+                        help=f"default: {' '.join(DEFAULT_WORKLOADS)}")
+    parser.add_argument("--variants", nargs="+", choices=[v.name for v in VARIANTS],
+                        default=[v.name for v in VARIANTS], help="default: all")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's, i.e. the number of cores)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cuda or cpu (default: cuda when available)")
     return parser
@@ -153,23 +160,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
+    variants = [v for v in VARIANTS if v.name in args.variants]
     machine = machine_info(device, threads)
     machine.update(command=" ".join(["python -m benchmarks.checkpointing", *argv]), preset=args.preset,
                    sizes=SIZES[args.preset], repetitions=repetitions, warmup=WARMUP)
 
-    unavailable = _unavailable(VARIANTS, device)
-    reports = [run_in_process(name, args.preset, device, VARIANTS, unavailable, repetitions)
+    unavailable = _unavailable(variants, device)
+    reports = [run_in_process(name, args.preset, device, variants, unavailable, repetitions)
                for name in args.workloads]
-    run_in_ranks(reports, args.preset, device, VARIANTS, unavailable, repetitions, threads)
+    run_in_ranks(reports, args.preset, device, variants, unavailable, repetitions, threads)
     machine["load_average_at_end"] = os.getloadavg()
-    print(markdown(reports, machine, VARIANTS), end="")
+    print(markdown(reports, machine, variants), end="")
     print(f"Load average (1, 5, 15 min): {machine['load_average_at_start']} at start, "
           f"{machine['load_average_at_end']} at end.")
     if args.json:
         write_json(args.json, reports, machine)
     if args.png:
-        write_png(args.png, reports, machine, VARIANTS)
+        write_png(args.png, reports, machine, variants)
     return 0
 
 

@@ -5,6 +5,11 @@ checkpointed as one unit, and the stage input's shape.
   a 4x MLP), one segment per block.
 * ``alexnet_stage``: the CIFAR-10 AlexNet pipeline layers of
   ``examples.cifar10.model``, one segment per layer.
+* ``small_regions_N`` (N = 32, 128, 512, 1024; not run unless named): N
+  regions of ``Linear(64, 64)`` + GELU on a batch of 32, each checkpointed:
+  kernels of microseconds, so the step time is the checkpointing code's own
+  per-call cost, and how that cost grows with the regions alive in a step
+  (what a GPU sees for small layers).
 """
 
 from __future__ import annotations
@@ -15,9 +20,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["Workload", "TransformerBlock", "gpt_stage", "alexnet_stage", "build_workload", "SIZES", "WORKLOAD_NAMES"]
+__all__ = ["Workload", "TransformerBlock", "gpt_stage", "alexnet_stage", "small_regions", "build_workload", "SIZES",
+           "WORKLOAD_NAMES", "DEFAULT_WORKLOADS", "SMALL_REGION_COUNTS"]
 
-WORKLOAD_NAMES = ("gpt_stage", "alexnet_stage")
+SMALL_REGION_COUNTS = (32, 128, 512, 1024)
+DEFAULT_WORKLOADS = ("gpt_stage", "alexnet_stage")
+WORKLOAD_NAMES = DEFAULT_WORKLOADS + tuple(f"small_regions_{n}" for n in SMALL_REGION_COUNTS)
 
 # Sizes by preset: "full" (the default) and "quick" fit a 2-core CPU in about a
 # minute and in well under two; "gpu" is sized for one data-centre GPU.
@@ -116,9 +124,23 @@ def alexnet_stage(batch: int, seed: int = 0) -> Workload:
     )
 
 
+def small_regions(regions: int, dim: int = 64, batch: int = 32, seed: int = 0) -> Workload:
+    """``regions`` segments of ``Linear(dim, dim)`` + GELU on ``batch`` rows."""
+    torch.manual_seed(seed)
+    return Workload(
+        name=f"small_regions_{regions}",
+        description=(f"{regions} regions of Linear({dim}, {dim}) + GELU, batch {batch}, fp32, each checkpointed: "
+                     "the checkpointing code's per-call cost"),
+        segments=[nn.Sequential(nn.Linear(dim, dim), nn.GELU()) for _ in range(regions)],
+        input_shape=(batch, dim),
+    )
+
+
 def build_workload(name: str, preset: str = "full") -> Workload:
     """The workload called ``name`` at the sizes of ``preset`` (a key of :data:`SIZES`)."""
     builders = {"gpt_stage": gpt_stage, "alexnet_stage": alexnet_stage}
+    if name.startswith("small_regions_") and name in WORKLOAD_NAMES:
+        return small_regions(int(name.removeprefix("small_regions_")))  # the same size in every preset
     if name not in builders:
         raise KeyError(f"unknown workload {name!r}; known: {', '.join(WORKLOAD_NAMES)}")
     return builders[name](**SIZES[preset][name])

@@ -1,0 +1,33 @@
+"""benchmarks.checkpointing: the small-regions workloads (the per-call cost of
+checkpointing) build and run, and their target is read against torch's own
+checkpoint. The figures themselves are measured on a quiet machine
+(docs/performance.md), never asserted here."""
+
+import torch
+
+from benchmarks import checkpointing
+from benchmarks.report import time_tolerance
+from benchmarks.workloads import DEFAULT_WORKLOADS, WORKLOAD_NAMES, build_workload
+
+
+def test_small_region_workloads_have_their_size():
+    for regions in (32, 1024):
+        workload = build_workload(f"small_regions_{regions}", "quick")
+        assert len(workload.segments) == regions
+        assert workload.input_shape == (32, 64)
+        assert [type(m).__name__ for m in workload.segments[0]] == ["Linear", "GELU"]
+    assert "small_regions_1024" in WORKLOAD_NAMES and "small_regions_32" not in DEFAULT_WORKLOADS
+    assert time_tolerance("small_regions_32") == 1.05 and time_tolerance("gpt_stage") == 1.01
+
+
+def test_the_benchmark_runs_a_small_regions_workload(capsys):
+    threads = torch.get_num_threads()
+    try:
+        assert checkpointing.main(["--threads", "1", "--repetitions", "5", "--workloads", "small_regions_32",
+                                   "--variants", "none", "torch_non_reentrant", "ours_non_reentrant"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    report = capsys.readouterr().out
+    assert "### small_regions_32" in report
+    assert "- small_regions_32: step time" in report and "(target <= 1.05)" in report
+    assert "1 torch threads" in report
