@@ -76,8 +76,24 @@ def initialize(args: Any = None,
     settings = configure(mpu=mpu, deepspeed_config=param_dict)
     if settings.config.memory_budget_mb is not None:
         engine = result[0]
-        model.enable_planning(settings.config.budget_bytes(model.stage_id, model.num_stages), engine.micro_batches)
+        model.enable_planning(settings.config.budget_bytes(model.stage_id, model.num_stages), engine.micro_batches,
+                              known_buffers=_known_buffers(engine))
     return result
+
+
+def _known_buffers(engine: Any) -> tuple:
+    """The big buffers outside the activations that the engine allocates in every
+    step, as far as its configuration tells: ZeRO stage 1 and 2's reduce bucket."""
+    from .planning.stage import KnownBuffer
+
+    stage = engine.zero_optimization_stage()
+    if stage not in (1, 2):
+        return ()
+    elements = int(engine.zero_reduce_bucket_size())
+    size = 2 if engine.bfloat16_enabled() or engine.fp16_enabled() else 4
+    return (KnownBuffer(f"ZeRO stage {stage}'s reduce bucket (zero_optimization.reduce_bucket_size = {elements} "
+                        f"elements, {elements * size / 2**20:.2f} MiB each)", elements * size,
+                        "a smaller zero_optimization.reduce_bucket_size lowers it, e.g. 5e7"),)
 
 
 def _check_plannable(model: Any, param_dict: dict) -> None:

@@ -231,7 +231,7 @@ class PipelineModule(_DSPipelineModule):
 
     # -- planning ---------------------------------------------------------------------
 
-    def enable_planning(self, budget_bytes: int, micro_batches: int) -> None:
+    def enable_planning(self, budget_bytes: int, micro_batches: int, known_buffers: tuple = ()) -> None:
         """Choose per layer what to checkpoint under a per-stage memory budget
         (``activation_checkpointing.memory_budget_mb``; ``ds_pipe_ckpt.initialize``
         calls this). See :mod:`ds_pipe_ckpt.planning`.
@@ -242,6 +242,9 @@ class PipelineModule(_DSPipelineModule):
             micro_batches: micro-batches per step (the engine's gradient
                 accumulation steps), which with the stage's position gives the
                 micro-batches in flight under DeepSpeed's 1F1B schedule.
+            known_buffers: :class:`~ds_pipe_ckpt.planning.stage.KnownBuffer` s the
+                engine allocates in every step (``ds_pipe_ckpt.initialize`` names
+                ZeRO's reduce bucket), named when the budget's floor is reported.
         """
         from .planning.stage import StagePlanner  # the planner is optional machinery
 
@@ -254,7 +257,8 @@ class PipelineModule(_DSPipelineModule):
                               "0 when activation_checkpointing.memory_budget_mb is set",
                               "The planner chooses which layers to checkpoint and where segments begin; set "
                               "the interval to 0 (or drop memory_budget_mb to checkpoint uniformly).")
-        self.__dict__["_planner"] = StagePlanner(self, budget_bytes=budget_bytes, micro_batches=micro_batches)
+        self.__dict__["_planner"] = StagePlanner(self, budget_bytes=budget_bytes, micro_batches=micro_batches,
+                                                 known_buffers=tuple(known_buffers))
 
     @property
     def planning_enabled(self) -> bool:
@@ -263,7 +267,7 @@ class PipelineModule(_DSPipelineModule):
 
     @property
     def checkpoint_plan(self) -> Any:
-        """This stage's checkpointing plan (a :class:`~ds_pipe_ckpt.planning.stage.PlannedStage`:
+        """This stage's checkpointing plan (a :class:`~ds_pipe_ckpt.planning.planned.PlannedStage`:
         decisions per layer, predicted and measured peak), or None before the
         planner has measured the stage (its first training step) or when no
         budget is configured."""

@@ -18,9 +18,9 @@ Inside a pipeline stage (``PipelineModule.enable_planning``):
 
 * :mod:`.profile`: each layer's figures, measured on a training micro-batch;
 * :mod:`.stage`: :class:`~.stage.StagePlanner`, which measures, plans, follows
-  the plan and checks its prediction, and :class:`~.stage.PlannedStage`, what
-  ``PipelineModule.checkpoint_plan`` exposes;
-* :mod:`.report`: the table the planner prints.
+  the plan and checks its prediction;
+* :mod:`.planned`: :class:`~.planned.PlannedStage`, what
+  ``PipelineModule.checkpoint_plan`` exposes, and the table the planner prints.
 
 Example::
 

@@ -131,6 +131,7 @@ class LayerMeter:
         self.first_layer = first_layer
         self.input_bytes: int | None = None
         self.saved_bytes = 0
+        self.saved_tensors = 0  # what autograd saved, counted (storages seen before included)
         self.input_saved_bytes = 0  # of saved_bytes, the layer's own input
         self.forward_s: float | None = None
         self.selective_saved_bytes: int | None = None
@@ -138,7 +139,14 @@ class LayerMeter:
 
     @property
     def complete(self) -> bool:
-        return self.forward_s is not None and (self.selective_share is not None or not self.checkpointable)
+        return self.forward_s is not None and (self.selective_share is not None or not self.checkpointable
+                                               or self.saves_nothing)
+
+    @property
+    def saves_nothing(self) -> bool:
+        """The forward saved no tensor for backward (a mean, a reshape, a sum):
+        torch never recomputes such a region, and storing it costs nothing."""
+        return self.forward_s is not None and self.saved_tensors == 0
 
     def forward(self, run: Callable[[tuple], Any], args: tuple) -> Any:
         # The stage input is held by the engine whatever the plan: a checkpoint
@@ -151,6 +159,7 @@ class LayerMeter:
         input_storages = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
 
         def pack(tensor: torch.Tensor) -> Any:
+            self.saved_tensors += 1
             charged = ledger.charge(tensor)
             self.saved_bytes += charged
             if tensor.untyped_storage().data_ptr() in input_storages:
@@ -187,6 +196,9 @@ class LayerMeter:
         if not self.checkpointable:
             return LayerProfile(name=self.name, input_bytes=input_bytes, saved_bytes=self.saved_bytes,
                                 forward_s=self.forward_s, checkpointable=False, input_saved_bytes=input_saved)
+        if self.saves_nothing:  # never recomputed: checkpointed or selective, it keeps nothing and costs nothing
+            return LayerProfile(name=self.name, input_bytes=input_bytes, input_saved_bytes=0, saved_bytes=0,
+                                forward_s=self.forward_s, selective_saved_bytes=0, selective_recompute_s=0.0)
         # Selective checkpointing keeps the outputs of the save-set ops whether or
         # not autograd would have: where that is more than the layer saves without
         # checkpointing, it is never better than storing the layer; leave it out.

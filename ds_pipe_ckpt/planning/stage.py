@@ -56,50 +56,36 @@ from .. import memory
 from ..errors import ConfigError
 from ..selective import ops_to_keep
 from ..settings import current_settings
-from .cost_model import Decision, LayerProfile, StageProblem
+from .cost_model import Decision, LayerProfile, Segment, StageProblem, predicted_peak_bytes
 from .profile import LayerMeter, StorageLedger, tensor_bytes
-from .report import plan_table
-from .solver import InfeasibleBudgetError, StagePlan, plan_stage
+from .planned import PlannedStage
+from .solver import InfeasibleBudgetError, plan_stage
 
-__all__ = ["StagePlanner", "PlannedStage", "PlanPredictionWarning", "PREDICTION_TOLERANCE"]
+__all__ = ["StagePlanner", "PlannedStage", "PlanPredictionWarning", "KnownBuffer", "PREDICTION_TOLERANCE"]
 
 PREDICTION_TOLERANCE = 0.10
 MIB = 2**20
-MEASURED_FORWARD = 2  # which training forward is measured (counted from 1)
 MAX_CALIBRATIONS = 2  # plans made again after a measured step that did not fit the prediction
+# Allocations too small for the model to place (the loss, its scalars, the engine's
+# small tensors) vary a little between steps: counted in every plan as this share of
+# the measuring step's peak, at least SMALL_ALLOCATIONS_MIN_BYTES.
+SMALL_ALLOCATIONS_SHARE = 0.01
+SMALL_ALLOCATIONS_MIN_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class KnownBuffer:
+    """Memory outside the activations that the engine is known to allocate in
+    every step (e.g. ZeRO's reduce bucket): named in the plan's floor."""
+
+    description: str
+    bytes: int
+    fix: str = ""
 
 
 class PlanPredictionWarning(UserWarning):
-    """A stage's measured peak memory differs from its plan's prediction by
-    more than :data:`PREDICTION_TOLERANCE`."""
-
-
-@dataclass
-class PlannedStage:
-    """One stage's plan, as ``PipelineModule.checkpoint_plan`` exposes it."""
-
-    stage: int
-    num_stages: int
-    in_flight: int
-    budget_bytes: int
-    problem: StageProblem
-    plan: StagePlan
-    measured_peak_bytes: int | None = None
-    # (predicted, measured) peak of each earlier plan of this stage whose measured
-    # step did not fit its prediction (this plan was made after them).
-    earlier_checks: tuple[tuple[int, int], ...] = ()
-
-    @property
-    def layer_names(self) -> list[str]:
-        return [layer.name for layer in self.problem.layers]
-
-    def decisions(self) -> list[Decision]:
-        """The decision for each local layer, in order."""
-        return [self.plan.decision_of(i) for i in range(len(self.problem.layers))]
-
-    def table(self) -> str:
-        """The plan as a markdown table, with its totals."""
-        return plan_table(self)
+    """A stage's measured peak memory was above its plan's prediction, or
+    above the budget; or a stage could not be measured (and stays unplanned)."""
 
 
 @dataclass
@@ -118,12 +104,14 @@ class _Measurement:
 class StagePlanner:
     """Runs one stage's forward as measured, then as planned (module docstring)."""
 
-    def __init__(self, module: Any, *, budget_bytes: int, micro_batches: int):
+    def __init__(self, module: Any, *, budget_bytes: int, micro_batches: int,
+                 known_buffers: tuple[KnownBuffer, ...] = ()):
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         self.module = module
         self.budget_bytes = budget_bytes
         self.micro_batches = micro_batches
+        self.known_buffers = known_buffers
         self.stage, self.num_stages = module.stage_id, module.num_stages
         self.in_flight = min(self.num_stages - self.stage, micro_batches)
         self.forwards = 0  # training (grad-enabled) forwards so far
@@ -135,8 +123,11 @@ class StagePlanner:
         self._checked = False
         self._replan_from: PlannedStage | None = None  # a checked plan to make again at the next step's start
         self._step_begun = False  # module.train() began the step before its first forward
+        self._measuring_step = False  # the tracked step is the measuring step, not a planned one
+        self.measuring_step_peak_bytes: int | None = None  # the whole measuring step's peak
+        self.unmeasured: list[str] = []  # layers the measuring step could not measure (then no plan)
         self.calibrations = 0
-        self.unmodelled_bytes = 0  # what measured steps showed beyond the model (may be negative)
+        self.unmodelled_bytes = 0  # what measured steps showed beyond the model (>= 0)
         self.device = next((p.device for p in module.parameters()), torch.device("cpu"))
         if self.device.type == "cpu":
             memory.track_cpu_allocations()  # before the tensors the checked step frees exist
@@ -168,7 +159,10 @@ class StagePlanner:
     def _forward_per_layer(self, x: Any, seed_offset: int) -> Any:
         module = self.module
         layers = len(module.forward_funcs)
-        measure = self.measurement is None and self.forwards == MEASURED_FORWARD
+        # The first micro-batch of the second step: the first step warms up (lazy
+        # initialisation, first-call allocations, the engine's and the optimizer's
+        # buffers), and the whole second step is tracked (see _step_begins).
+        measure = self.measurement is None and self.forwards == self.micro_batches + 1
         if measure:
             inputs = x if isinstance(x, tuple) else (x, )
             # Held whatever the plan: the stage input, and the parameters and buffers
@@ -224,25 +218,41 @@ class StagePlanner:
         """At the start of a step (``module.train()`` or its first forward), the
         previous one (forwards, backwards, optimizer step) is complete on this stage."""
         if self._tracking is not None:
-            self._finish_check()
+            self._finish_tracking()
         if self._replan_from is not None:
             checked, self._replan_from = self._replan_from, None
             self.planned = self._plan()
             self.planned.earlier_checks = (*checked.earlier_checks,
                                            (checked.plan.predicted_peak_bytes, checked.measured_peak_bytes))
             self._announce()
-        if self.planned is None and self.measurement is not None and self.measurement.complete:
-            self.planned = self._plan()
-            self._announce()
-        if self.planned is not None and not self._checked and not torch.autograd._profiler_enabled():
+        if self.planned is None and self.measurement is not None and not self.unmeasured:
+            if self.measurement.complete:
+                self.planned = self._plan()
+                self._announce()
+            else:
+                self._refuse_incomplete_measurement()
+        measuring = self.measurement is None and self.forwards == self.micro_batches
+        if (measuring or (self.planned is not None and not self._checked)) and not torch.autograd._profiler_enabled():
             # Garbage made before the step (reference cycles, which the collector
-            # frees at an arbitrary allocation) must not be freed inside the checked
+            # frees at an arbitrary allocation) must not be freed inside the tracked
             # step: its size would lower the measured peak. A few steps only.
             gc.collect()
+            self._measuring_step = measuring
             self._tracking = memory.track_memory(self.device)
             self._tracker = self._tracking.__enter__()
             # The step ends with the optimizer step (DeepSpeed's last instruction).
-            self._step_end_hook = register_optimizer_step_post_hook(lambda *_: self._finish_check())
+            self._step_end_hook = register_optimizer_step_post_hook(lambda *_: self._finish_tracking())
+
+    def _refuse_incomplete_measurement(self) -> None:
+        """The measuring step ended without every layer measured: say which, and
+        stay unplanned (every layer checkpointed) rather than guess."""
+        self.unmeasured = [meter.name for meter in self.measurement.meters if not meter.complete]
+        warnings.warn(PlanPredictionWarning(
+            f"ds_pipe_ckpt: pipeline stage {self.stage} cannot plan its checkpointing: the recomputation of "
+            f"{', '.join(self.unmeasured)} never ran during the measuring step's backward, so what it costs is "
+            "unknown. The stage keeps checkpointing every layer (no plan, no budget check). Usual cause: the "
+            "layer's output does not reach the loss (its backward never runs); exclude such layers from "
+            "checkpointing with PipelineModule(checkpointable_layers=[...])."), stacklevel=3)
 
     def _base_bytes(self) -> int:
         """What does not depend on the plan: the engine's copies of the inputs and
@@ -281,7 +291,9 @@ class StagePlanner:
             return 1.0 / group.world_size
         return 1.0
 
-    def _plan(self) -> PlannedStage:
+    def _problem(self) -> StageProblem:
+        """The solver's problem for this stage, with the memory measured steps
+        showed beyond the model counted in its base."""
         scale = self._input_scale()
         layers: tuple[LayerProfile, ...] = tuple(
             dataclasses.replace(meter.profile(scale), grad_bytes=grads)
@@ -294,8 +306,26 @@ class StagePlanner:
         if self.micro_batches > self.in_flight:
             base += sum(layer.grad_bytes for layer in layers)
             layers = tuple(dataclasses.replace(layer, grad_bytes=0) for layer in layers)
-        problem = StageProblem(layers=layers, in_flight=self.in_flight, budget_bytes=self.budget_bytes,
-                               base_bytes=max(0, base + self.unmodelled_bytes), label=f"pipeline stage {self.stage}")
+        return StageProblem(layers=layers, in_flight=self.in_flight, budget_bytes=self.budget_bytes,
+                            base_bytes=base + self.unmodelled_bytes, label=f"pipeline stage {self.stage}")
+
+    def _measured_segments(self, problem: StageProblem) -> list[Segment]:
+        """What the measuring step ran: every checkpointable layer its own
+        checkpoint region, the others stored."""
+        return [Segment(i, i + 1, Decision.CHECKPOINT if layer.checkpointable else Decision.STORE)
+                for i, layer in enumerate(problem.layers)]
+
+    def _plan(self) -> PlannedStage:
+        problem = self._problem()
+        if self.measuring_step_peak_bytes is not None and self.planned is None and not self.calibrations:
+            # The measuring step is a whole step of a known plan: what it measured
+            # beyond that plan's prediction (the backward's workspace, the engine's
+            # and the optimizer's buffers, ZeRO's reduce bucket) is there whatever
+            # the plan. Counted from the first plan on, so that it is an upper bound.
+            modelled = predicted_peak_bytes(problem, self._measured_segments(problem))
+            margin = max(SMALL_ALLOCATIONS_MIN_BYTES, int(SMALL_ALLOCATIONS_SHARE * self.measuring_step_peak_bytes))
+            self.unmodelled_bytes = max(0, self.measuring_step_peak_bytes - modelled) + margin
+            problem = self._problem()
         try:
             plan = plan_stage(problem)
         except InfeasibleBudgetError as error:
@@ -303,10 +333,32 @@ class StagePlanner:
                 "activation_checkpointing.memory_budget_mb", round(self.budget_bytes / MIB, 3),
                 f"at least {error.minimum_bytes / MIB:.2f} MiB for pipeline stage {self.stage}",
                 f"No plan keeps this stage's predicted peak within the budget ({self.in_flight} micro-batch(es) "
-                f"in flight; measured on its first micro-batch); {error.minimum_bytes / MIB:.2f} MiB is the "
-                "smallest that fits. Raise the budget, lower the micro-batch size, or use more stages.") from error
+                f"in flight; measured on its first micro-batches); {error.minimum_bytes / MIB:.2f} MiB is the "
+                f"smallest that fits. {self.floor(problem, error.minimum_bytes)} Raise the budget, lower the "
+                "micro-batch size, or use more stages.") from error
         return PlannedStage(stage=self.stage, num_stages=self.num_stages, in_flight=self.in_flight,
                             budget_bytes=self.budget_bytes, problem=problem, plan=plan)
+
+    def floor(self, problem: StageProblem, minimum_bytes: int) -> str:
+        """What the least feasible peak ``minimum_bytes`` is made of: the part
+        the plan controls (the activations it keeps) and the part it does not,
+        with the known big non-activation buffers named."""
+        measured = self.measurement
+        engine = (self.in_flight + 1) * (measured.stage_input_bytes + measured.stage_output_bytes)
+        gradients = max(0, problem.base_bytes - engine - self.unmodelled_bytes)
+        parts = [f"{engine / MIB:.2f} MiB the engine's stage inputs and outputs ({self.in_flight} micro-batch(es) "
+                 "in flight, and their gradients)"]
+        if gradients:
+            parts.append(f"{gradients / MIB:.2f} MiB parameter gradients")
+        if self.unmodelled_bytes:
+            known = "".join(f"; of it, {buffer.description}: {buffer.bytes / MIB:.2f} MiB"
+                            + (f" ({buffer.fix})" if buffer.fix else "")
+                            for buffer in self.known_buffers if buffer.bytes)
+            parts.append(f"{self.unmodelled_bytes / MIB:.2f} MiB that the measured steps showed beyond the "
+                         f"layers' activations (the backward's workspace, the engine's and the optimizer's buffers"
+                         f"{known})")
+        return (f"Of that, {(minimum_bytes - problem.base_bytes) / MIB:.2f} MiB is what the plan controls (the "
+                f"activations it keeps) and {problem.base_bytes / MIB:.2f} MiB is not: {', '.join(parts)}.")
 
     def _first_rank_of_stage(self) -> bool:
         grid = getattr(self.module, "_grid", None)
@@ -318,28 +370,34 @@ class StagePlanner:
         if self._first_rank_of_stage():
             print(self.planned.table(), flush=True)
 
-    def _finish_check(self) -> None:
+    def _finish_tracking(self) -> None:
         self._step_end_hook.remove()
         self._tracking.__exit__(None, None, None)
         measured = self._tracker.report.peak_bytes
         self._tracking = self._tracker = None
+        if self._measuring_step:
+            self._measuring_step = False
+            self.measuring_step_peak_bytes = measured
+            return
         self._checked = True
         planned = self.planned
         planned.measured_peak_bytes = measured
         predicted = planned.plan.predicted_peak_bytes
-        off = measured > 0 and abs(predicted - measured) > PREDICTION_TOLERANCE * measured
+        # The prediction must be an upper bound: a step above it, or above the
+        # budget, is planned again. One well below it is only wasteful.
+        under = measured > predicted
         over = measured > self.budget_bytes
-        calibrate = (off or over) and self.calibrations < MAX_CALIBRATIONS
-        if off or over:
+        calibrate = (under or over) and self.calibrations < MAX_CALIBRATIONS
+        if under or over:
             action = ("Planning again at the next step's start with the difference counted as memory the model "
                       "does not see; the new plan is checked in that step." if calibrate else "The plan stands.")
             warnings.warn(PlanPredictionWarning(
                 f"ds_pipe_ckpt: pipeline stage {self.stage}'s checkpointing plan predicted a peak of "
                 f"{predicted / MIB:.2f} MiB above the step's start; the step measured {measured / MIB:.2f} MiB "
                 f"({(predicted - measured) / measured:+.0%}) against a budget of {self.budget_bytes / MIB:.2f} MiB. "
-                f"{action} The memory model (what each layer saves, measured on one micro-batch) misses some of "
-                "this stage's memory, e.g. buffers inside a layer's backward or of the engine, or shapes that "
-                "vary between micro-batches."), stacklevel=2)
+                f"{action} The memory model (what each layer saves, measured on one micro-batch, plus what the "
+                "measuring step showed beyond it) misses some of this stage's memory, e.g. shapes that vary "
+                "between micro-batches, or buffers that differ with the plan."), stacklevel=2)
         if calibrate:
             self.calibrations += 1
             self.unmodelled_bytes += measured - predicted

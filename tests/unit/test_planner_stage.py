@@ -1,7 +1,8 @@
-"""The planner inside a stage: it measures the layers on the second training
-micro-batch, plans at the next step, follows the plan exactly (gradients equal
-to no checkpointing), prints and exposes it, checks the prediction against the
-measured peak, and names the smallest feasible budget when none fits. The
+"""The planner inside a stage: it measures the layers on the first micro-batch
+of the second step and that whole step's peak, plans at the next step, follows
+the plan exactly (gradients equal to no checkpointing), prints and exposes it,
+checks that the prediction bounds the measured peak, and names the smallest
+feasible budget when none fits. The
 budget key is validated like every other. (Several stages under DeepSpeed's
 engine: ``tests/gpt``.)"""
 
@@ -88,20 +89,13 @@ def test_the_plan_is_printed_and_checked_against_the_measured_peak(single_rank_p
     assert "| layers | decision | held MiB / micro-batch | rebuilt MiB | recompute ms |" in printed
     assert "of a 0.50 MiB budget" in printed
     plan = module.checkpoint_plan
-    warned = [w for w in caught if issubclass(w.category, PlanPredictionWarning)]
-    # Every plan that did not fit its measured step was warned about (and made again at the next step's start).
-    last_off = plan.measured_peak_bytes is not None and (
-        abs(plan.plan.predicted_peak_bytes - plan.measured_peak_bytes) > 0.10 * plan.measured_peak_bytes
-        or plan.measured_peak_bytes > plan.budget_bytes)
-    assert len(warned) == len(plan.earlier_checks) + last_off, [str(w.message) for w in warned]
-    for predicted, measured in plan.earlier_checks:
-        assert abs(predicted - measured) > 0.10 * measured or measured > MIB // 2
-    if plan.earlier_checks:
-        assert "pipeline stage 0's checkpointing plan predicted a peak of" in str(warned[0].message)
-        assert "Planned again: an earlier plan predicted" in printed
-    if plan.measured_peak_bytes is not None:  # the last plan fit
-        off = abs(plan.plan.predicted_peak_bytes - plan.measured_peak_bytes) / plan.measured_peak_bytes
-        assert off <= 0.10 and plan.measured_peak_bytes <= MIB // 2
+    warned = [str(w.message) for w in caught if issubclass(w.category, PlanPredictionWarning)]
+    # The first plan holds: its step measured no more than predicted (an upper
+    # bound, thanks to the measuring step), within the budget, and not much less.
+    assert not warned and not plan.earlier_checks, warned
+    assert plan.measured_peak_bytes <= plan.plan.predicted_peak_bytes <= plan.budget_bytes
+    assert plan.plan.predicted_peak_bytes - plan.measured_peak_bytes <= 0.10 * plan.measured_peak_bytes
+    assert f"Measured peak of this plan's first step: {plan.measured_peak_bytes / MIB:.2f} MiB" in plan.table()
 
 
 @pytest.mark.filterwarnings("ignore::ds_pipe_ckpt.planning.stage.PlanPredictionWarning")  # re-plans are expected here
@@ -166,15 +160,18 @@ def test_the_checked_step_begins_where_the_engine_calls_train(single_rank_proces
     assert abs(with_train - without - MIB) <= 4096, (with_train, without)
 
 
-def test_a_plan_that_does_not_fit_its_step_is_made_again(single_rank_process_group, monkeypatch):
-    """The measured step shows 0.2 MiB the model does not see: the stage plans
-    again with it counted, warns, and checks the new plan on the next step."""
+def _with_unseen_memory(monkeypatch, extra_bytes, from_tracked_step):
+    """Every step tracked from the ``from_tracked_step``-th on (counted from 1:
+    the measuring step is the first) measures ``extra_bytes`` more than it held."""
     from ds_pipe_ckpt import memory
 
     real = memory.track_memory
+    tracked = []
 
     def with_unseen_memory(device):
         context = real(device)
+        tracked.append(device)
+        extra = extra_bytes if len(tracked) >= from_tracked_step else 0
 
         class Tracking:
             def __enter__(self):
@@ -183,16 +180,35 @@ def test_a_plan_that_does_not_fit_its_step_is_made_again(single_rank_process_gro
 
             def __exit__(self, *exc):
                 context.__exit__(*exc)
-                self.tracker.report.peak_bytes += MIB // 5
+                self.tracker.report.peak_bytes += extra
 
         return Tracking()
 
     monkeypatch.setattr(memory, "track_memory", with_unseen_memory)
+
+
+def test_memory_the_model_misses_is_counted_from_the_measuring_step_on(single_rank_process_group, monkeypatch):
+    """The measuring step shows 0.2 MiB the layer model does not see (a
+    workspace, a buffer of the engine): the first plan counts it, so its
+    step stays within its prediction and the budget."""
+    _with_unseen_memory(monkeypatch, MIB // 5, from_tracked_step=1)
+    module, _, caught = _planned(1.0, steps=3)
+    plan = module.checkpoint_plan
+    assert not plan.earlier_checks and not [w for w in caught if issubclass(w.category, PlanPredictionWarning)]
+    assert plan.problem.base_bytes >= MIB // 5
+    assert plan.measured_peak_bytes <= plan.plan.predicted_peak_bytes <= plan.budget_bytes
+
+
+def test_a_plan_that_does_not_fit_its_step_is_made_again(single_rank_process_group, monkeypatch):
+    """The first planned step shows 0.2 MiB the measuring step did not: the
+    stage plans again with it counted, warns, and checks the new plan on the
+    next step."""
+    _with_unseen_memory(monkeypatch, MIB // 5, from_tracked_step=2)
     module, grads, caught = _planned(1.0, steps=4)
     plan = module.checkpoint_plan
     assert len(plan.earlier_checks) >= 1
     first_predicted, first_measured = plan.earlier_checks[0]
-    assert first_measured > MIB or abs(first_measured - first_predicted) > 0.1 * first_measured
+    assert first_measured > first_predicted or first_measured > MIB
     assert plan.problem.base_bytes >= MIB // 5  # the unseen memory is counted now
     assert any(issubclass(w.category, PlanPredictionWarning) and "Planning again" in str(w.message) for w in caught)
     expected = _train(_module(), _batches(4))
@@ -200,12 +216,13 @@ def test_a_plan_that_does_not_fit_its_step_is_made_again(single_rank_process_gro
 
 
 def test_nothing_is_planned_before_the_stage_was_measured(single_rank_process_group):
-    module, _, _ = _planned(0.5, steps=1)
+    module, _, _ = _planned(0.5, steps=2)  # the first step warms up, the second measures
     assert module.checkpoint_plan is None
+    assert module.__dict__["_planner"].measuring_step_peak_bytes > 0
 
 
 def test_the_check_ends_with_the_step_and_leaves_no_profiler_running(single_rank_process_group):
-    module, _, _ = _planned(0.5, steps=2)  # the planned step is the last one
+    module, _, _ = _planned(0.5, steps=3)  # the planned step is the last one
     plan = module.checkpoint_plan
     assert plan.measured_peak_bytes is not None or plan.earlier_checks  # measured (and maybe made again)
     assert not torch.autograd._profiler_enabled()
@@ -217,14 +234,14 @@ def test_a_step_someone_else_profiles_is_not_checked(single_rank_process_group):
     ds_pipe_ckpt.configure(use_reentrant=False, memory_budget_mb=0.5)
     module = _module()
     module.enable_planning(MIB // 2, MICRO_BATCHES)
-    batches = _batches(3)
-    _train(module, batches[:1])
+    batches = _batches(4)
+    _train(module, batches[:2])
     with track_memory("cpu"):
-        _train(module, batches[1:2])  # planned here, but profiled by the caller
+        _train(module, batches[2:3])  # planned here, but profiled by the caller
     assert module.checkpoint_plan is not None and module.checkpoint_plan.measured_peak_bytes is None
     with warnings.catch_warnings():  # what the check finds is another test's business
         warnings.simplefilter("ignore", PlanPredictionWarning)
-        _train(module, batches[2:])
+        _train(module, batches[3:])
     plan = module.checkpoint_plan
     assert plan.measured_peak_bytes is not None or plan.earlier_checks
 

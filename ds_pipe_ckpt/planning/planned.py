@@ -1,17 +1,44 @@
-"""A stage's checkpointing plan as the table the planner prints."""
+"""One stage's checkpointing plan, as ``PipelineModule.checkpoint_plan``
+exposes it and as the table the planner prints."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
-from .cost_model import ChainCosts
+from .cost_model import ChainCosts, Decision, StageProblem
+from .solver import StagePlan
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .stage import PlannedStage
-
-__all__ = ["plan_table"]
+__all__ = ["PlannedStage", "plan_table"]
 
 MIB = 2**20
+
+
+@dataclass
+class PlannedStage:
+    """One stage's plan, as ``PipelineModule.checkpoint_plan`` exposes it."""
+
+    stage: int
+    num_stages: int
+    in_flight: int
+    budget_bytes: int
+    problem: StageProblem
+    plan: StagePlan
+    measured_peak_bytes: int | None = None
+    # (predicted, measured) peak of each earlier plan of this stage whose measured
+    # step did not fit its prediction (this plan was made after them).
+    earlier_checks: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def layer_names(self) -> list[str]:
+        return [layer.name for layer in self.problem.layers]
+
+    def decisions(self) -> list[Decision]:
+        """The decision for each local layer, in order."""
+        return [self.plan.decision_of(i) for i in range(len(self.problem.layers))]
+
+    def table(self) -> str:
+        """The plan as a markdown table, with its totals."""
+        return plan_table(self)
 
 
 def _layers(names: list[str]) -> str:
@@ -24,7 +51,7 @@ def _layers(names: list[str]) -> str:
     return f"{span} ({classes})"
 
 
-def plan_table(planned: "PlannedStage") -> str:
+def plan_table(planned: PlannedStage) -> str:
     """Markdown: one row per segment (layers, decision, MiB held per micro-batch
     in flight, MiB rebuilt during its backward, recomputation ms per micro-batch),
     then the predicted peak against the budget."""
