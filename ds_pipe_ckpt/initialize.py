@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import deepspeed
+import torch
 from deepspeed.pipe import PipelineModule as _DSPipelineModule
 
 from .config import CheckpointingConfig, load_ds_config, pipeline_interval
@@ -83,16 +84,21 @@ def initialize(args: Any = None,
 
 def _known_buffers(engine: Any) -> tuple:
     """The big buffers outside the activations that the engine allocates in every
-    step, as far as its configuration tells: ZeRO stage 1 and 2's reduce bucket."""
-    from .planning.stage import KnownBuffer
+    step, as far as it tells: ZeRO stage 1 and 2's reduce bucket, which a
+    pipeline allocates in every backward, one per gradient dtype (DeepSpeed's
+    ``ipg_buckets``; float32 where the optimizer does not show them: the
+    gradient accumulation type under bf16)."""
+    from .planning.stage import KnownBuffer  # the planner is optional machinery
 
     stage = engine.zero_optimization_stage()
     if stage not in (1, 2):
         return ()
     elements = int(engine.zero_reduce_bucket_size())
-    size = 2 if engine.bfloat16_enabled() or engine.fp16_enabled() else 4
+    dtypes = list(getattr(getattr(engine, "optimizer", None), "ipg_buckets", None) or [torch.float32])
+    size = elements * sum(torch.empty((), dtype=dtype).element_size() for dtype in dtypes)
+    names = ", ".join(str(dtype).removeprefix("torch.") for dtype in dtypes)
     return (KnownBuffer(f"ZeRO stage {stage}'s reduce bucket (zero_optimization.reduce_bucket_size = {elements} "
-                        f"elements, {elements * size / 2**20:.2f} MiB each)", elements * size,
+                        f"elements of {names})", size,
                         "a smaller zero_optimization.reduce_bucket_size lowers it, e.g. 5e7"),)
 
 

@@ -50,6 +50,5 @@ def test_the_floor_names_zeros_reduce_bucket():
     message = messages[0]
     assert "memory_budget_mb = 0.5 is invalid: expected at least" in message, messages
     assert "is what the plan controls" in message
-    assert ("ZeRO stage 1's reduce bucket (zero_optimization.reduce_bucket_size = 5000000 elements, 9.54 MiB each)"
-            in message)
+    assert "ZeRO stage 1's reduce bucket (zero_optimization.reduce_bucket_size = 5000000 elements of " in message
     assert "a smaller zero_optimization.reduce_bucket_size lowers it" in message
