@@ -21,7 +21,9 @@ Keys read (all optional):
     debug mode for recomputation errors) and ``memory_budget_mb`` (a per-stage
     memory budget, one number for every stage or a list with one per stage: the
     planner of :mod:`ds_pipe_ckpt.planning` then chooses per layer what to
-    store, checkpoint or checkpoint selectively).
+    store, checkpoint or checkpoint selectively) or ``max_memory_mb`` (the same
+    planner, under the total memory a stage's device may hold: one number, one
+    per stage, or ``"auto"`` for a CUDA device's capacity less 10%).
 """
 
 from __future__ import annotations
@@ -63,7 +65,10 @@ OVERRIDE_KEYS = {
     "policy": "policy",
     "save_ops": "save_ops",
     "memory_budget_mb": "memory_budget_mb",
+    "max_memory_mb": "max_memory_mb",
 }
+
+AUTO = "auto"
 
 POLICIES = ("full", "selective")
 
@@ -105,12 +110,13 @@ class CheckpointingConfig:
     policy: str = "full"
     save_ops: tuple[str, ...] | None = None
     memory_budget_mb: float | tuple[float, ...] | None = None
+    max_memory_mb: float | tuple[float, ...] | str | None = None
 
     def __post_init__(self):
         key_of = {f: (f"{PIPELINE}.{f}" if f == "use_reentrant" else f"{SECTION}.{f}")
                   for f in (x.name for x in dataclasses.fields(self))}
         for field in dataclasses.fields(self):
-            if field.name not in ("number_checkpoints", "policy", "save_ops", "memory_budget_mb"):
+            if field.name not in ("number_checkpoints", "policy", "save_ops", "memory_budget_mb", "max_memory_mb"):
                 _require_bool(key_of[field.name], getattr(self, field.name))
         self._check_policy(key_of)
         self._check_budget(key_of)
@@ -147,42 +153,70 @@ class CheckpointingConfig:
             return
         if isinstance(ops, str) or not isinstance(ops, (list, tuple)) or not ops:
             raise ConfigError(key_of["save_ops"], ops, "a non-empty list of ATen op names, e.g. [\"aten.mm\"]")
-        if self.policy != "selective" and self.memory_budget_mb is None:
+        if self.policy != "selective" and not self.plans:
             raise ConfigError(key_of["save_ops"], list(ops), f"null unless {key_of['policy']} is \"selective\" "
                               "or memory_budget_mb is set", "save_ops chooses what selective checkpointing keeps.")
         from .selective import resolve_ops  # imports torch's checkpoint internals: only when used
         resolve_ops(ops, key=key_of["save_ops"])
         object.__setattr__(self, "save_ops", tuple(ops))
 
+    @property
+    def plans(self) -> bool:
+        """Whether the planner chooses what each stage checkpoints (a budget is set)."""
+        return self.memory_budget_mb is not None or self.max_memory_mb is not None
+
+    @property
+    def budget_key(self) -> str:
+        """The budget key in use, for messages."""
+        return f"{SECTION}.{'max_memory_mb' if self.max_memory_mb is not None else 'memory_budget_mb'}"
+
     def _check_budget(self, key_of: dict[str, str]) -> None:
-        budget, key = self.memory_budget_mb, key_of["memory_budget_mb"]
-        if budget is None:
+        if self.memory_budget_mb is not None and self.max_memory_mb is not None:
+            raise ConfigError(key_of["max_memory_mb"], self.max_memory_mb, "null when memory_budget_mb is set",
+                              "memory_budget_mb counts what a step adds to what is allocated when it begins; "
+                              "max_memory_mb counts everything the stage's device holds: give one of them.")
+        for name in ("memory_budget_mb", "max_memory_mb"):
+            budget, key = getattr(self, name), key_of[name]
+            if budget is None or (name == "max_memory_mb" and budget == AUTO):
+                continue
+            values = list(budget) if isinstance(budget, (list, tuple)) else [budget]
+            if not values or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 for v in values):
+                allowed = ("a positive number of MiB (every stage), or a non-empty list of them (one per pipeline "
+                           "stage)")
+                raise ConfigError(key, budget, allowed + (', or "auto" (a CUDA device\'s capacity less 10%)'
+                                                          if name == "max_memory_mb" else ""))
+            if isinstance(budget, list):
+                object.__setattr__(self, name, tuple(budget))
+        if not self.plans:
             return
-        values = list(budget) if isinstance(budget, (list, tuple)) else [budget]
-        if not values or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 for v in values):
-            raise ConfigError(key, budget, "a positive number of MiB (every stage), or a non-empty list of them "
-                              "(one per pipeline stage)")
+        key = self.budget_key
+        budget = self.max_memory_mb if self.max_memory_mb is not None else self.memory_budget_mb
         if self.use_reentrant:
             raise ConfigError(key, budget, "null unless pipeline.use_reentrant is false",
                               "The planner checkpoints with torch's non-reentrant checkpoint (and selectively).")
         if self.policy == "selective":
-            raise ConfigError(key_of["policy"], self.policy, "\"full\" (the default) with memory_budget_mb",
+            raise ConfigError(key_of["policy"], self.policy, f"\"full\" (the default) with {key.split('.')[1]}",
                               "With a budget the planner chooses, per segment, full or selective checkpointing "
                               "(save_ops still says what selective keeps).")
-        if isinstance(budget, list):
-            object.__setattr__(self, "memory_budget_mb", tuple(budget))
 
-    def budget_bytes(self, stage: int, num_stages: int) -> int | None:
-        """``memory_budget_mb`` of pipeline stage ``stage``, in bytes (None: no budget)."""
-        budget = self.memory_budget_mb
-        if budget is None:
-            return None
+    @staticmethod
+    def _of_stage(key: str, budget: Any, stage: int, num_stages: int) -> Any:
         if isinstance(budget, tuple):
             if len(budget) != num_stages:
-                raise ConfigError(f"{SECTION}.memory_budget_mb", list(budget),
+                raise ConfigError(f"{SECTION}.{key}", list(budget),
                                   f"one number, or a list of {num_stages} (one per pipeline stage)")
-            budget = budget[stage]
-        return int(budget * 2**20)
+            return budget[stage]
+        return budget
+
+    def budget_bytes(self, stage: int, num_stages: int) -> int | None:
+        """``memory_budget_mb`` of pipeline stage ``stage``, in bytes (None: no such budget)."""
+        budget = self._of_stage("memory_budget_mb", self.memory_budget_mb, stage, num_stages)
+        return None if budget is None else int(budget * 2**20)
+
+    def max_memory_bytes(self, stage: int, num_stages: int) -> int | str | None:
+        """``max_memory_mb`` of pipeline stage ``stage``, in bytes, or ``"auto"`` (None: not set)."""
+        budget = self._of_stage("max_memory_mb", self.max_memory_mb, stage, num_stages)
+        return budget if budget is None or budget == AUTO else int(budget * 2**20)
 
     @classmethod
     def from_ds_config(cls, param_dict: Mapping[str, Any] | None) -> "CheckpointingConfig":

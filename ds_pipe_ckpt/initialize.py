@@ -44,7 +44,7 @@ def initialize(args: Any = None,
     validates and applies the config's activation-checkpointing settings, with
     the pipeline grid of a :class:`PipelineModule` as model-parallel unit.
 
-    With ``activation_checkpointing.memory_budget_mb`` and a
+    With ``activation_checkpointing.memory_budget_mb`` (or ``max_memory_mb``) and a
     :class:`~ds_pipe_ckpt.PipelineModule`, the module's planner is enabled
     (``PipelineModule.enable_planning``) with the engine's micro-batches per step.
 
@@ -57,8 +57,8 @@ def initialize(args: Any = None,
     # Validate before any process group or engine is built, so that a bad value
     # fails fast and names its key.
     checkpointing = CheckpointingConfig.from_ds_config(param_dict)
-    if checkpointing.memory_budget_mb is not None:
-        _check_plannable(model, param_dict)
+    if checkpointing.plans:
+        _check_plannable(model, param_dict, checkpointing.budget_key)
     result = deepspeed.initialize(args=args,
                                   model=model,
                                   optimizer=optimizer,
@@ -75,10 +75,11 @@ def initialize(args: Any = None,
     if mpu is None and isinstance(model, _DSPipelineModule):
         mpu = model.mpu()
     settings = configure(mpu=mpu, deepspeed_config=param_dict)
-    if settings.config.memory_budget_mb is not None:
-        engine = result[0]
-        model.enable_planning(settings.config.budget_bytes(model.stage_id, model.num_stages), engine.micro_batches,
-                              known_buffers=_known_buffers(engine))
+    if settings.config.plans:
+        engine, stage, stages = result[0], model.stage_id, model.num_stages
+        model.enable_planning(settings.config.budget_bytes(stage, stages), engine.micro_batches,
+                              known_buffers=_known_buffers(engine),
+                              max_memory_bytes=settings.config.max_memory_bytes(stage, stages))
     return result
 
 
@@ -102,16 +103,16 @@ def _known_buffers(engine: Any) -> tuple:
                         "a smaller zero_optimization.reduce_bucket_size lowers it, e.g. 5e7"),)
 
 
-def _check_plannable(model: Any, param_dict: dict) -> None:
+def _check_plannable(model: Any, param_dict: dict, key: str) -> None:
     from .pipe import PipelineModule  # the module imports this package's core
 
     interval = pipeline_interval(param_dict)
     if interval:
         raise ConfigError("pipeline.activation_checkpoint_interval", interval,
-                          "0 when activation_checkpointing.memory_budget_mb is set",
+                          f"0 when {key} is set",
                           "The planner chooses which layers to checkpoint and where segments begin; set the "
-                          "interval to 0 (or drop memory_budget_mb to checkpoint uniformly).")
+                          f"interval to 0 (or drop {key.split('.')[1]} to checkpoint uniformly).")
     if not isinstance(model, PipelineModule):
-        raise ConfigError("activation_checkpointing.memory_budget_mb", param_dict["activation_checkpointing"]
-                          ["memory_budget_mb"], "null unless the model is a ds_pipe_ckpt.PipelineModule",
+        raise ConfigError(key, param_dict["activation_checkpointing"][key.split(".")[1]],
+                          "null unless the model is a ds_pipe_ckpt.PipelineModule",
                           "The planner chooses what each pipeline stage checkpoints.")

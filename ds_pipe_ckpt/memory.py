@@ -71,11 +71,15 @@ _FLAG = "FLAGS_caffe2_report_cpu_memory_usage"
 @dataclass
 class MemoryReport:
     """Bytes allocated above the start of the region: the peak (>= 0), the
-    amount at the end, and at each :meth:`MemoryTracker.mark`."""
+    amount at the end, and at each :meth:`MemoryTracker.mark`; and
+    ``start_bytes``, what was allocated when the region began (CUDA: all of
+    it; CPU: what the allocator counts, i.e. the blocks allocated since
+    :func:`track_cpu_allocations` was turned on)."""
 
     peak_bytes: int = 0
     final_bytes: int = 0
     marks: dict[str, int] = field(default_factory=dict)
+    start_bytes: int = 0
 
 
 class MemoryTracker:
@@ -179,6 +183,7 @@ def track_memory(device: torch.device | str) -> Iterator[MemoryTracker]:
         torch.cuda.synchronize(device)
         tracker.report.peak_bytes = torch.cuda.max_memory_allocated(device) - tracker.cuda_base_bytes
         tracker.report.final_bytes = torch.cuda.memory_allocated(device) - tracker.cuda_base_bytes
+        tracker.report.start_bytes = tracker.cuda_base_bytes
     elif device.type == "cpu":
         from torch.profiler import ProfilerActivity, profile
 
@@ -226,4 +231,4 @@ def _report_from_events(event_tree: Iterable[Any], mark_names: list[str]) -> Mem
     inside = [total for time_ns, total in allocations if start_ns <= time_ns <= end_ns]
     marks = {name: probes[name][1] - base for name in mark_names}
     peak = max([0, end - base, *marks.values(), *(total - base for total in inside)])
-    return MemoryReport(peak_bytes=peak, final_bytes=end - base, marks=marks)
+    return MemoryReport(peak_bytes=peak, final_bytes=end - base, marks=marks, start_bytes=base)

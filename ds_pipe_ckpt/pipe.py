@@ -231,34 +231,44 @@ class PipelineModule(_DSPipelineModule):
 
     # -- planning ---------------------------------------------------------------------
 
-    def enable_planning(self, budget_bytes: int, micro_batches: int, known_buffers: tuple = ()) -> None:
+    def enable_planning(self, budget_bytes: int | None, micro_batches: int, known_buffers: tuple = (),
+                        max_memory_bytes: int | str | None = None) -> None:
         """Choose per layer what to checkpoint under a per-stage memory budget
-        (``activation_checkpointing.memory_budget_mb``; ``ds_pipe_ckpt.initialize``
-        calls this). See :mod:`ds_pipe_ckpt.planning`.
+        (``activation_checkpointing.memory_budget_mb`` or ``max_memory_mb``;
+        ``ds_pipe_ckpt.initialize`` calls this). See :mod:`ds_pipe_ckpt.planning`.
 
         Args:
             budget_bytes: this stage's budget: peak bytes above what is
-                allocated when a training step begins.
+                allocated when a training step begins (None with ``max_memory_bytes``).
             micro_batches: micro-batches per step (the engine's gradient
                 accumulation steps), which with the stage's position gives the
                 micro-batches in flight under DeepSpeed's 1F1B schedule.
             known_buffers: :class:`~ds_pipe_ckpt.planning.stage.KnownBuffer` s the
                 engine allocates in every step (``ds_pipe_ckpt.initialize`` names
                 ZeRO's reduce bucket), named when the budget's floor is reported.
+            max_memory_bytes: instead of ``budget_bytes``, the peak the stage's
+                device may hold in all (parameters, gradients, optimizer state,
+                ZeRO's buffers, activations), or ``"auto"`` (CUDA: the device's
+                capacity less 10%); the budget is that less what is allocated
+                when the measuring step begins.
         """
         from .planning.stage import StagePlanner  # the planner is optional machinery
 
+        key = "activation_checkpointing." + ("max_memory_mb" if budget_bytes is None else "memory_budget_mb")
+        value = budget_bytes / 2**20 if budget_bytes is not None else max_memory_bytes
+        if (budget_bytes is None) == (max_memory_bytes is None):
+            raise ValueError("enable_planning: give budget_bytes or max_memory_bytes, one of them")
         if self.checkpoint_mode != NON_REENTRANT:
-            raise ConfigError("activation_checkpointing.memory_budget_mb", budget_bytes / 2**20,
-                              "null unless pipeline.use_reentrant is false",
+            raise ConfigError(key, value, "null unless pipeline.use_reentrant is false",
                               "The planner checkpoints with torch's non-reentrant checkpoint (and selectively).")
         if self.activation_checkpoint_interval != 0:
             raise ConfigError("pipeline.activation_checkpoint_interval", self.activation_checkpoint_interval,
-                              "0 when activation_checkpointing.memory_budget_mb is set",
+                              f"0 when {key} is set",
                               "The planner chooses which layers to checkpoint and where segments begin; set "
-                              "the interval to 0 (or drop memory_budget_mb to checkpoint uniformly).")
+                              f"the interval to 0 (or drop {key.split('.')[1]} to checkpoint uniformly).")
         self.__dict__["_planner"] = StagePlanner(self, budget_bytes=budget_bytes, micro_batches=micro_batches,
-                                                 known_buffers=tuple(known_buffers))
+                                                 known_buffers=tuple(known_buffers),
+                                                 max_memory_bytes=max_memory_bytes)
 
     @property
     def planning_enabled(self) -> bool:

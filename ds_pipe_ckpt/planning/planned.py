@@ -27,6 +27,9 @@ class PlannedStage:
     # (predicted, measured) peak of each earlier plan of this stage whose measured
     # step did not fit its prediction (this plan was made after them).
     earlier_checks: tuple[tuple[int, int], ...] = ()
+    # With max_memory_mb: what was allocated when the measuring step began; the
+    # budget is max_memory_mb less it.
+    step_start_bytes: int | None = None
 
     @property
     def layer_names(self) -> list[str]:
@@ -76,6 +79,10 @@ def plan_table(planned: PlannedStage) -> str:
         f"(of which {problem.base_bytes / MIB:.2f} MiB do not depend on the plan); recomputation "
         f"{plan.recompute_s * 1e3:.2f} ms per micro-batch.",
     ]
+    if planned.step_start_bytes is not None:
+        lines.append(f"The budget is max_memory_mb {(planned.budget_bytes + planned.step_start_bytes) / MIB:.2f} MiB "
+                     f"less the {planned.step_start_bytes / MIB:.2f} MiB allocated when a step begins (parameters, "
+                     "gradients that outlive steps, optimizer state).")
     for predicted, measured in planned.earlier_checks:
         lines.append(f"Planned again: an earlier plan predicted {predicted / MIB:.2f} MiB and its step measured "
                      f"{measured / MIB:.2f} MiB; the difference is counted in the part that does not depend on "

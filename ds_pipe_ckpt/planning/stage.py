@@ -71,6 +71,10 @@ MAX_CALIBRATIONS = 2  # plans made again after a measured step that did not fit 
 # the measuring step's peak, at least SMALL_ALLOCATIONS_MIN_BYTES.
 SMALL_ALLOCATIONS_SHARE = 0.01
 SMALL_ALLOCATIONS_MIN_BYTES = 4096
+# max_memory_mb "auto": a CUDA device's capacity less this share, for what the
+# caching allocator's counters do not see: the CUDA context, NCCL's buffers and
+# the allocator's fragmentation.
+AUTO_MARGIN = 0.10
 
 
 @dataclass(frozen=True)
@@ -104,12 +108,18 @@ class _Measurement:
 class StagePlanner:
     """Runs one stage's forward as measured, then as planned (module docstring)."""
 
-    def __init__(self, module: Any, *, budget_bytes: int, micro_batches: int,
-                 known_buffers: tuple[KnownBuffer, ...] = ()):
+    def __init__(self, module: Any, *, budget_bytes: int | None, micro_batches: int,
+                 known_buffers: tuple[KnownBuffer, ...] = (), max_memory_bytes: int | str | None = None):
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         self.module = module
+        # With max_memory_bytes the budget is known once the measuring step has
+        # shown what a step starts with (_resolve_budget).
         self.budget_bytes = budget_bytes
+        self.max_memory_bytes = max_memory_bytes
+        self.step_start_bytes: int | None = None  # allocated when the measuring step began
+        self.budget_key = "activation_checkpointing." + ("memory_budget_mb" if max_memory_bytes is None
+                                                         else "max_memory_mb")
         self.micro_batches = micro_batches
         self.known_buffers = known_buffers
         self.stage, self.num_stages = module.stage_id, module.num_stages
@@ -119,6 +129,7 @@ class StagePlanner:
         self.planned: PlannedStage | None = None
         self._tracking: Any = None  # the memory tracking context of the checked step
         self._tracker: memory.MemoryTracker | None = None
+        self._tracker_start_bytes = 0
         self._step_end_hook: Any = None
         self._checked = False
         self._replan_from: PlannedStage | None = None  # a checked plan to make again at the next step's start
@@ -129,6 +140,13 @@ class StagePlanner:
         self.calibrations = 0
         self.unmodelled_bytes = 0  # what measured steps showed beyond the model (>= 0)
         self.device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        if max_memory_bytes == "auto":
+            if self.device.type != "cuda":
+                raise ConfigError(self.budget_key, "auto", "a number of MiB on a device other than CUDA",
+                                  f"\"auto\" is a CUDA device's capacity; pipeline stage {self.stage} runs on "
+                                  f"{self.device.type}.")
+            capacity = torch.cuda.get_device_properties(self.device).total_memory
+            self.max_memory_bytes = int(capacity * (1 - AUTO_MARGIN))
         if self.device.type == "cpu":
             memory.track_cpu_allocations()  # before the tensors the checked step frees exist
 
@@ -315,7 +333,25 @@ class StagePlanner:
         return [Segment(i, i + 1, Decision.CHECKPOINT if layer.checkpointable else Decision.STORE)
                 for i, layer in enumerate(problem.layers)]
 
+    def _resolve_budget(self) -> None:
+        """With max_memory_bytes: the budget is what the measuring step began with, taken from it."""
+        if self.budget_bytes is not None:
+            return
+        if self.step_start_bytes is None:  # the measuring step was profiled by someone else: not measured
+            raise ConfigError(self.budget_key, round(self.max_memory_bytes / MIB, 3),
+                              "a budget measured on the stage's second step",
+                              f"Pipeline stage {self.stage}'s second step ran under another profiler, so what a "
+                              "step begins with is unknown; leave that step unprofiled, or use memory_budget_mb.")
+        if self.max_memory_bytes <= self.step_start_bytes:
+            raise ConfigError(self.budget_key, round(self.max_memory_bytes / MIB, 3),
+                              f"more than the {self.step_start_bytes / MIB:.2f} MiB allocated when a step begins "
+                              f"on pipeline stage {self.stage}",
+                              "That is the parameters, their gradients where they outlive steps, and the "
+                              "optimizer's state: nothing is left for the step itself.")
+        self.budget_bytes = self.max_memory_bytes - self.step_start_bytes
+
     def _plan(self) -> PlannedStage:
+        self._resolve_budget()
         problem = self._problem()
         if self.measuring_step_peak_bytes is not None and self.planned is None and not self.calibrations:
             # The measuring step is a whole step of a known plan: what it measured
@@ -329,15 +365,22 @@ class StagePlanner:
         try:
             plan = plan_stage(problem)
         except InfeasibleBudgetError as error:
+            # In the key's own terms: max_memory_mb counts what a step begins with too.
+            start = self.step_start_bytes if self.max_memory_bytes is not None else 0
+            configured = self.budget_bytes + start
+            smallest = (error.minimum_bytes + start) / MIB
+            counted = (f" (with the {start / MIB:.2f} MiB allocated when a step begins: parameters, gradients that "
+                       "outlive steps, optimizer state)" if start else "")
             raise ConfigError(
-                "activation_checkpointing.memory_budget_mb", round(self.budget_bytes / MIB, 3),
-                f"at least {error.minimum_bytes / MIB:.2f} MiB for pipeline stage {self.stage}",
+                self.budget_key, round(configured / MIB, 3),
+                f"at least {smallest:.2f} MiB for pipeline stage {self.stage}",
                 f"No plan keeps this stage's predicted peak within the budget ({self.in_flight} micro-batch(es) "
-                f"in flight; measured on its first micro-batches); {error.minimum_bytes / MIB:.2f} MiB is the "
-                f"smallest that fits. {self.floor(problem, error.minimum_bytes)} Raise the budget, lower the "
-                "micro-batch size, or use more stages.") from error
+                f"in flight; measured on its first micro-batches); {smallest:.2f} MiB is the smallest that fits"
+                f"{counted}. {self.floor(problem, error.minimum_bytes)} Raise the budget, lower the micro-batch "
+                "size, or use more stages.") from error
         return PlannedStage(stage=self.stage, num_stages=self.num_stages, in_flight=self.in_flight,
-                            budget_bytes=self.budget_bytes, problem=problem, plan=plan)
+                            budget_bytes=self.budget_bytes, problem=problem, plan=plan,
+                            step_start_bytes=self.step_start_bytes if self.max_memory_bytes is not None else None)
 
     def floor(self, problem: StageProblem, minimum_bytes: int) -> str:
         """What the least feasible peak ``minimum_bytes`` is made of: the part
@@ -374,10 +417,12 @@ class StagePlanner:
         self._step_end_hook.remove()
         self._tracking.__exit__(None, None, None)
         measured = self._tracker.report.peak_bytes
+        self._tracker_start_bytes = self._tracker.report.start_bytes
         self._tracking = self._tracker = None
         if self._measuring_step:
             self._measuring_step = False
             self.measuring_step_peak_bytes = measured
+            self.step_start_bytes = self._tracker_start_bytes
             return
         self._checked = True
         planned = self.planned

@@ -95,6 +95,12 @@ def plan_under_budgets(pp: int, fractions: list[float], steps: int = 4) -> dict:
             "warnings": [str(w.message) for w in caught if issubclass(w.category, PlanPredictionWarning)],
         }
         del engine, module
+    # Through ds_pipe_ckpt.initialize with the total-memory key.
+    engine, module = _engine(pp, {"max_memory_mb": 10**6})
+    data = _batches(steps)
+    result["max_memory_losses"] = [float(engine.train_batch(data_iter=data)) for _ in range(steps)]
+    plan = module.checkpoint_plan
+    result["max_memory_plan"] = None if plan is None else (plan.budget_bytes, plan.step_start_bytes)
     return result
 
 

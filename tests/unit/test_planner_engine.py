@@ -43,6 +43,14 @@ def test_a_tight_budget_checkpoints_and_the_parameter_free_layer_is_stored(resul
             assert decisions[-2] == "store", decisions  # the mean-pool: nothing to save, nothing to gain
 
 
+def test_a_total_memory_budget_plans_through_initialize(results):
+    for result in results:
+        assert result["max_memory_plan"] is not None, f"stage {result['stage']}: no plan under max_memory_mb"
+        budget, start = result["max_memory_plan"]
+        assert start > 0 and budget == 10**6 * 2**20 - start
+        assert result["max_memory_losses"] == result["none_losses"]
+
+
 def test_the_floor_names_zeros_reduce_bucket():
     """ZeRO stage 1 (DeepSpeed's usual pipeline configuration) allocates its
     reduce bucket in every backward: an infeasible budget's error says so."""

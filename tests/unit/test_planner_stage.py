@@ -340,3 +340,62 @@ def test_layers_excluded_by_checkpointable_layers_are_never_checkpointed(single_
     decisions = module.checkpoint_plan.decisions()
     assert decisions[1] is Decision.STORE and decisions[3] is Decision.STORE
     assert Decision.CHECKPOINT in decisions or Decision.SELECTIVE in decisions
+
+
+# -- max_memory_mb: a budget on everything the stage's device holds ------------------------
+
+def test_a_total_memory_budget_is_planned_as_that_less_what_a_step_begins_with(single_rank_process_group, capsys):
+    total_mib = 10**6
+    ds_pipe_ckpt.configure(use_reentrant=False, max_memory_mb=total_mib)
+    module = _module()
+    module.enable_planning(None, MICRO_BATCHES, max_memory_bytes=total_mib * MIB)
+    grads = _train(module, _batches(3))
+    plan = module.checkpoint_plan
+    assert plan is not None and plan.step_start_bytes > 0
+    assert plan.budget_bytes == total_mib * MIB - plan.step_start_bytes
+    assert set(plan.decisions()) == {Decision.STORE}
+    assert f"The budget is max_memory_mb {total_mib:.2f} MiB less the" in capsys.readouterr().out
+    expected = _train(_module(), _batches(3))
+    assert all(torch.equal(a, b) for step_a, step_b in zip(expected, grads) for a, b in zip(step_a, step_b))
+
+
+def test_a_total_memory_budget_below_what_a_step_begins_with_is_named(single_rank_process_group):
+    ds_pipe_ckpt.configure(use_reentrant=False, max_memory_mb=0.001)
+    module = _module()
+    module.enable_planning(None, MICRO_BATCHES, max_memory_bytes=1000)
+    with pytest.raises(ConfigError, match=r"activation_checkpointing\.max_memory_mb = 0\.001 is invalid: expected "
+                                          r"more than the \d+\.\d\d MiB allocated when a step begins on pipeline "
+                                          r"stage 0\. That is the parameters"):
+        _train(module, _batches(3))
+
+
+def test_auto_needs_a_cuda_device(single_rank_process_group):
+    ds_pipe_ckpt.configure(use_reentrant=False, max_memory_mb="auto")
+    with pytest.raises(ConfigError, match=r"max_memory_mb = 'auto' is invalid: expected a number of MiB on a device "
+                                          r"other than CUDA\. \"auto\" is a CUDA device's capacity; pipeline stage 0 "
+                                          r"runs on cpu"):
+        _module().enable_planning(None, MICRO_BATCHES, max_memory_bytes="auto")
+
+
+@pytest.mark.parametrize("section, match", [
+    ({"max_memory_mb": 0}, r"max_memory_mb = 0 is invalid: expected a positive number of MiB .* or \"auto\""),
+    ({"max_memory_mb": "all"}, r"max_memory_mb = 'all' is invalid"),
+    ({"memory_budget_mb": "auto"}, r"memory_budget_mb = 'auto' is invalid: expected a positive number"),
+    ({"max_memory_mb": 1000, "memory_budget_mb": 100}, r"max_memory_mb = 1000 is invalid: expected null when "
+                                                        r"memory_budget_mb is set"),
+])
+def test_total_memory_budget_values_are_validated(section, match):
+    with pytest.raises(ConfigError, match=match):
+        CheckpointingConfig.from_ds_config({"pipeline": {"use_reentrant": False}, "activation_checkpointing": section})
+
+
+def test_total_memory_budget_per_stage_and_auto_are_read():
+    config = CheckpointingConfig.from_ds_config({"pipeline": {"use_reentrant": False},
+                                                 "activation_checkpointing": {"max_memory_mb": [2048, 1024]}})
+    assert config.plans and config.budget_bytes(1, 2) is None and config.max_memory_bytes(1, 2) == 1024 * MIB
+    auto = CheckpointingConfig.from_ds_config({"pipeline": {"use_reentrant": False},
+                                               "activation_checkpointing": {"max_memory_mb": "auto"}})
+    assert auto.max_memory_bytes(0, 4) == "auto"
+    with pytest.raises(ConfigError, match=r"max_memory_mb = \[2048, 1024\] is invalid: expected one number, or a "
+                                          r"list of 3"):
+        config.max_memory_bytes(0, 3)
