@@ -164,7 +164,9 @@ class _Pack:
         else:
             node = tensor.grad_fn
             origin = type(node) if node is not None else tensor.requires_grad
-        self.record += (origin, tensor.shape, tensor.dtype)
+        # A plain tuple, not the torch.Size: the collector untracks a tuple of ints,
+        # so it is never promoted to the old generation while the region is in flight.
+        self.record += (origin, tuple(tensor.shape), tensor.dtype)
         return self.torch_pack(tensor)
 
 
