@@ -44,6 +44,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.region_loop", description=__doc__.split("\n\n")[0])
     parser.add_argument("regions", type=int, nargs="+", help="numbers of regions per step")
     parser.add_argument("--freeze", action="store_true", help="gc.freeze() before measuring")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds per N (default: max(5, 4096 / N))")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -58,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             _step(layers[:n], checkpoint)
             _step(layers[:n], checkpoint)
         torch_times, ratios = [], []
-        for _ in range(max(5, 4096 // n)):
+        for _ in range(args.rounds or max(5, 4096 // n)):
             torch_s = _step(layers[:n], variants["torch"])
             ratios.append(_step(layers[:n], variants["ours"]) / torch_s)
             torch_times.append(torch_s)

@@ -31,3 +31,14 @@ def test_the_benchmark_runs_a_small_regions_workload(capsys):
     assert "### small_regions_32" in report
     assert "- small_regions_32: step time" in report and "(target <= 1.05)" in report
     assert "1 torch threads" in report
+
+
+def test_the_region_loop_runs(capsys):
+    from benchmarks import region_loop
+
+    threads = torch.get_num_threads()
+    try:
+        region_loop.main(["4", "--rounds", "3"])
+    finally:
+        torch.set_num_threads(threads)
+    assert "N = 4: torch " in capsys.readouterr().out
