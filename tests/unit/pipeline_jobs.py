@@ -63,16 +63,22 @@ def tied_layer_specs():
     ]
 
 
+# Wide enough that a stage's activations outweigh the planner's fixed margin, so a
+# budget can make it checkpoint some layers and store others.
+BATCHNORM_HIDDEN = 256
+
+
 def batchnorm_layer_specs():
     """BatchNorm after each hidden linear (running statistics, num_batches_tracked),
     an in-place ReLU first in a segment."""
+    width = BATCHNORM_HIDDEN
     return [
-        LayerSpec(nn.Linear, 8, HIDDEN),
-        LayerSpec(nn.BatchNorm1d, HIDDEN, momentum=0.3),
+        LayerSpec(nn.Linear, 8, width),
+        LayerSpec(nn.BatchNorm1d, width, momentum=0.3),
         LayerSpec(nn.ReLU, inplace=True),
-        LayerSpec(nn.Linear, HIDDEN, HIDDEN),
-        LayerSpec(nn.BatchNorm1d, HIDDEN),
-        LayerSpec(nn.Linear, HIDDEN, 4),
+        LayerSpec(nn.Linear, width, width),
+        LayerSpec(nn.BatchNorm1d, width),
+        LayerSpec(nn.Linear, width, 4),
     ]
 
 
@@ -146,6 +152,7 @@ def train(case, pp, steps=10, micro_batch=16, grad_accum=2):
         "params": {name: p.detach().clone() for name, p in module.named_parameters()},
         "buffers": {name: b.clone() for name, b in module.named_buffers()},
         "planned": module.checkpoint_plan is not None,
+        "plan_decisions": [d.value for d in module.checkpoint_plan.decisions()] if module.checkpoint_plan else [],
     }
 
 
