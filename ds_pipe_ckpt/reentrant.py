@@ -18,7 +18,9 @@ inputs, and recomputes it in backward with grad enabled. Around it,
   (:mod:`ds_pipe_ckpt.module_state`);
 * refuses a forward that modifies an input in place (the recomputation would
   start from the modified values; the caller's graph would not know about the
-  change either, because the forward ran without grad);
+  change either, because the forward ran without grad). Called with grad
+  disabled (evaluation), nothing is recomputed and there is no graph, so such
+  a forward runs as it would without checkpointing, as in DeepSpeed;
 * refuses a recomputation whose input was modified in place after the forward:
   DeepSpeed keeps the input tensors themselves (its detached copies share
   their version counters), so without this check the recomputation would
@@ -62,8 +64,10 @@ class ReentrantRegion:
     (see the module docstring): first call the forward, second the recomputation."""
 
     def __init__(self, fn: Callable[..., Any], region: Region, kwarg_names: tuple[str, ...], *,
-                 inputs_are_copied: bool, buffers: KeptBuffers | None = None):
+                 inputs_are_copied: bool, buffers: KeptBuffers | None = None, for_backward: bool = True):
         self.fn = fn
+        # Whether a backward may recompute the forward (grad was enabled at the call).
+        self.for_backward = for_backward
         self.region = region
         self.kwarg_names = kwarg_names
         self.inputs_are_copied = inputs_are_copied
@@ -90,7 +94,7 @@ class ReentrantRegion:
         versions = [a._version if isinstance(a, torch.Tensor) else None for a in args]
         out = self._run(args) if self.buffers is None else self.buffers.run_forward(self._run, args)
         modified = [i for i, (a, v) in enumerate(zip(args, versions)) if v is not None and a._version != v]
-        if modified:
+        if modified and self.for_backward:
             raise InPlaceInputError(
                 f"Checkpointed {self.region} modified its tensor input(s) {modified} in place during its "
                 "forward. DeepSpeed's reentrant checkpoint runs the forward without grad, so the caller's "
@@ -141,6 +145,8 @@ def reentrant_checkpoint(function: Callable[..., Any], args: tuple, kwarg_names:
                          *, inputs_are_copied: bool) -> Any:
     """``deepspeed.checkpointing.checkpoint`` of ``function`` (see the module docstring);
     ``args`` ends with the values of the keyword arguments named ``kwarg_names``."""
-    buffers = keep_buffers(region, function) if torch.is_grad_enabled() else None
-    wrapped = ReentrantRegion(function, region, kwarg_names, inputs_are_copied=inputs_are_copied, buffers=buffers)
+    for_backward = torch.is_grad_enabled()
+    buffers = keep_buffers(region, function) if for_backward else None
+    wrapped = ReentrantRegion(function, region, kwarg_names, inputs_are_copied=inputs_are_copied, buffers=buffers,
+                              for_backward=for_backward)
     return wrapped.rebuild(ds_checkpointing.checkpoint(wrapped, *args))

@@ -206,6 +206,21 @@ def test_reentrant_mode_still_refuses_a_region_whose_forward_modifies_inputs_une
         ds_pipe_ckpt.checkpoint(fn, make(), use_reentrant=True)
 
 
+def test_reentrant_mode_evaluates_an_in_place_region_without_grad():
+    """Evaluation (grad disabled) recomputes nothing, so a region that modifies its
+    input in place (a stage that begins with ReLU(inplace=True)) runs as it would
+    without checkpointing, as in DeepSpeed, in both modes."""
+    model = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 3))
+    x = torch.randn(5, 4)
+    with torch.no_grad():
+        expected = model(x.clone())
+        for use_reentrant in (True, False):
+            got_input = x.clone()
+            got = ds_pipe_ckpt.checkpoint(model, got_input, use_reentrant=use_reentrant)
+            assert torch.equal(got, expected), use_reentrant
+            assert torch.equal(got_input, x.clamp(min=0)), use_reentrant
+
+
 # -- item 5: structured outputs ------------------------------------------------------------
 
 Pair = collections.namedtuple("Pair", "first second")
