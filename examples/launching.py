@@ -26,7 +26,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser, *, steps: int, out_dir
     parser.add_argument("--dropout-seed", type=int, default=None, help="seed of the dropout masks; default --seed")
     parser.add_argument("--out-dir", default=out_dir, help="where rank 0 writes its outputs")
     parser.add_argument("--save-params", action="store_true",
-                        help="every rank saves its final parameters to OUT_DIR/params/RUN/rank{R}.pt")
+                        help="every rank saves its final state_dict (parameters and buffers) to "
+                        "OUT_DIR/params/RUN/rank{R}.pt")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -42,7 +43,8 @@ def check_launch_arguments(parser: argparse.ArgumentParser, args: argparse.Names
 
 
 def save_parameters(module: torch.nn.Module, out_dir: str, run_name: str, rank: int) -> None:
-    """This rank's parameters (its stage's), to ``OUT_DIR/params/RUN/rank{R}.pt``."""
+    """This rank's ``state_dict`` (its stage's parameters and buffers, e.g.
+    BatchNorm's running statistics), to ``OUT_DIR/params/RUN/rank{R}.pt``."""
     folder = Path(out_dir) / "params" / run_name
     folder.mkdir(parents=True, exist_ok=True)
     torch.save({name: tensor.detach().clone() for name, tensor in module.state_dict().items()},

@@ -6,6 +6,7 @@
 #
 #   make cifar10                       # from the repository root, or:
 #   bash examples/cifar10/run_cpu.sh [more train.py arguments, e.g. --steps 50]
+#   bash examples/cifar10/run_cpu.sh --model resnet   # the ResNet (BatchNorm) instead of the AlexNet
 #
 # Needs python, deepspeed, torchvision, matplotlib and tqdm on PATH (make puts
 # the project's .venv first).
