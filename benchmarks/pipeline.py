@@ -1,11 +1,13 @@
 """Peak memory of every pipeline stage and step time, per activation-checkpointing
-mode, in DeepSpeed's PipelineEngine on the GPT example model.
+mode, in DeepSpeed's PipelineEngine on the GPT example model (or a stack of
+torch's ``nn.TransformerEncoderLayer``: ``--model encoder``).
 
 Run from the repository root::
 
     python -m benchmarks.pipeline [--quick] [--json PATH] [--png PATH] [--dim D] [--context T] [--blocks N]
     python -m benchmarks.pipeline --budget 0.3 0.5 0.75 [...]   # also the planner against uniform intervals
     python -m benchmarks.pipeline --modes none --budget 0.3 [...]  # only what the budget rows need
+    python -m benchmarks.pipeline --model encoder --modes none --budget 0.3 0.5 0.7 0.9 --timed-steps 5
 
 For each pipeline depth (pp=2; also pp=4 without ``--quick``) and mode
 (:mod:`benchmarks.pipeline_modes`: none, reentrant, non_reentrant, selective,
@@ -21,9 +23,12 @@ launch per world size. On CUDA when available, else CPU (gloo).
 With ``--budget F ...`` it also runs, per depth and fraction F, the planner
 under budgets of F times each stage's peak without checkpointing (``planned``)
 and finds the fastest uniform ``activation_checkpoint_interval`` that fits the
-same budgets (``uniform_best``): :mod:`benchmarks.pipeline_budget`. With
-``--png P`` a second plot, ``P`` with ``-budget`` before its suffix, shows step
-time against budget.
+same budgets (``uniform_best``): :mod:`benchmarks.pipeline_budget`. Every
+step of a planned run that is measured (the planner's measuring step, each
+planned step it checks, the first one included, and the benchmark's measured
+step) is reported with its peak, and the planned steps over their budget are
+counted. With ``--png P`` a second plot, ``P`` with ``-budget`` before its
+suffix, shows step time against budget.
 """
 
 from __future__ import annotations
@@ -50,8 +55,9 @@ from examples.gpt.data import load_corpus  # noqa: E402
 from .checkpointing import machine_info  # noqa: E402
 from .pipeline_budget import (PLANNED, BudgetOutcome, budget_records, infeasible_minimum,  # noqa: E402
                               planned_mode, stage_budgets, uniform_best, uniform_modes)
+from .pipeline_models import MODEL_NAMES, EncoderConfig, model_description  # noqa: E402
 from .pipeline_modes import PRESETS, Layout, PipelineMode, Preset, layouts, modes  # noqa: E402
-from .pipeline_rank import measure_layouts, model_description  # noqa: E402
+from .pipeline_rank import measure_layouts  # noqa: E402
 from .pipeline_report import markdown, summarize, write_budget_png, write_json, write_png  # noqa: E402
 
 __all__ = ["main"]
@@ -70,6 +76,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--png", metavar="PATH", help="plot peak memory per stage and mode to PATH")
     parser.add_argument("--cache-dir", default=str(REPO_ROOT / ".cache" / "gpt"),
                         help="where the GPT example's corpus is cached")
+    parser.add_argument("--model", choices=MODEL_NAMES, default="gpt",
+                        help="gpt: the GPT example (default); encoder: a Linear, nn.TransformerEncoderLayer blocks, "
+                             "a mean-pool and a Linear head, on random features")
+    parser.add_argument("--pp", type=int, nargs="+", metavar="PP",
+                        help="pipeline depths (default: the preset's, 2 and 4; --quick: 2)")
+    parser.add_argument("--timed-steps", type=int, metavar="N", help="timed steps per mode (default: the preset's)")
     for name in ("dim", "context", "blocks", "heads"):
         parser.add_argument(f"--{name}", type=int, help=f"model {name} (default: the benchmark preset's)")
     parser.add_argument("--modes", nargs="+", metavar="MODE", choices=[mode.name for mode in modes()],
@@ -82,11 +94,27 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _preset(args: argparse.Namespace) -> Preset:
-    """The named preset, with the model sizes given on the command line."""
+    """The named preset, with the model, its sizes, the depths and the timed
+    steps given on the command line.
+
+    Raises:
+        ValueError: a size, depth or step count the model or preset refuses (named).
+    """
     preset = PRESETS[args.preset]
+    model = EncoderConfig(dim=preset.model.dim, context=preset.model.context) if args.model == "encoder" \
+        else preset.model
     sizes = {name: getattr(args, name) for name in ("dim", "context", "blocks", "heads")
              if getattr(args, name) is not None}
-    return dataclasses.replace(preset, model=dataclasses.replace(preset.model, **sizes)) if sizes else preset
+    changes: dict = {"model": dataclasses.replace(model, **sizes)}
+    if args.pp is not None:
+        if any(pp < 1 for pp in args.pp):
+            raise ValueError(f"--pp {' '.join(map(str, args.pp))}: every pipeline depth must be >= 1")
+        changes["pipeline_depths"] = tuple(dict.fromkeys(args.pp))
+    if args.timed_steps is not None:
+        if args.timed_steps < 1:
+            raise ValueError(f"--timed-steps {args.timed_steps}: at least one step must be timed")
+        changes["timed_steps"] = args.timed_steps
+    return dataclasses.replace(preset, **changes)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -95,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         preset = _preset(args)
-    except ValueError as error:  # GPTConfig names the bad size
+    except ValueError as error:  # GPTConfig / EncoderConfig names the bad size
         parser.error(str(error))
     mode_list = tuple(mode for mode in modes() if args.modes is None or mode.name in args.modes)
     if args.budget and all(mode.name != "none" for mode in mode_list):
@@ -107,12 +135,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                    model=model_description(preset.model), micro_batch=preset.micro_batch,
                    warmup_steps=preset.warmup_steps, timed_steps=preset.timed_steps,
                    cpu_allocation_tracking=device.type == "cpu")
-    load_corpus(args.cache_dir)  # written once here, read by every rank
+    cache_dir = args.cache_dir if args.model == "gpt" else None
+    if cache_dir is not None:
+        load_corpus(cache_dir)  # written once here, read by every rank
 
     start = time.perf_counter()
-    records = _launch(layouts(preset, mode_list), preset, args.cache_dir, device, cores, mode_list)
+    records = _launch(layouts(preset, mode_list), preset, cache_dir, device, cores, mode_list)
     if args.budget:
-        records += _budget_rows(args.budget, preset, records, args.cache_dir, device, cores)
+        records += _budget_rows(args.budget, preset, records, cache_dir, device, cores)
     machine["load_average_at_end"] = os.getloadavg()
     machine["wall_s"] = round(time.perf_counter() - start, 1)
 
@@ -130,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _launch(plan: list[Layout], preset: Preset, cache_dir: str, device: torch.device, cores: int,
+def _launch(plan: list[Layout], preset: Preset, cache_dir: str | None, device: torch.device, cores: int,
             mode_list: Sequence[PipelineMode]) -> list[dict]:
     """Measure every layout of ``plan``, one launch of rank processes per world size."""
     records: list[dict] = []
@@ -153,7 +183,7 @@ def _launch(plan: list[Layout], preset: Preset, cache_dir: str, device: torch.de
     return records
 
 
-def _budget_rows(fractions: Sequence[float], preset: Preset, records: list[dict], cache_dir: str,
+def _budget_rows(fractions: Sequence[float], preset: Preset, records: list[dict], cache_dir: str | None,
                  device: torch.device, cores: int) -> list[dict]:
     """``planned`` and ``uniform_best`` rows for every depth and budget fraction."""
     rows: list[dict] = []
@@ -163,7 +193,8 @@ def _budget_rows(fractions: Sequence[float], preset: Preset, records: list[dict]
         if none is None:
             continue
         # Uniform intervals over the blocks of the most loaded stage, plus the two
-        # embedding (or final norm and head) layers a stage at either end holds.
+        # layers before (embeddings, input projection) or after (final norm and
+        # head, mean-pool and head) the blocks that a stage at either end holds.
         candidates = uniform_modes(-(-preset.model.blocks // pp) + 2)
         uniform_records = _launch([Layout(pp, 1, tuple(m.name for m in candidates))], preset, cache_dir, device,
                                   cores, candidates)

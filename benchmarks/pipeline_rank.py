@@ -1,5 +1,5 @@
-"""One rank's side of ``python -m benchmarks.pipeline``: build the GPT pipeline
-engine for every mode of a layout, measure the memory of one
+"""One rank's side of ``python -m benchmarks.pipeline``: build the model's pipeline
+engine (:mod:`benchmarks.pipeline_models`) for every mode of a layout, measure the memory of one
 ``engine.train_batch()`` and time several.
 
 Run in rank processes by :func:`ds_pipe_ckpt.testing.run_ranks` (one launch
@@ -26,21 +26,14 @@ import torch.distributed as dist
 
 import ds_pipe_ckpt
 from ds_pipe_ckpt.memory import MemoryReport, track_cpu_allocations, track_memory
-from examples.sampling import GlobalBatchSampler
-from examples.gpt.data import Corpus, load_corpus, micro_batches
-from examples.gpt.engine import build_engine, pipeline_topology
-from examples.gpt.model import GPTConfig
+from examples.gpt.data import Corpus, load_corpus
+from examples.gpt.engine import pipeline_topology
 
+from .pipeline_models import build_engine, model_description, training_batches
 from .pipeline_modes import Layout, PipelineMode, Preset, base_config, merge_config, micro_batches_in_flight
 from .pipeline_modes import modes as all_modes
 
 __all__ = ["measure_layouts", "model_description"]
-
-
-def model_description(model: GPTConfig) -> str:
-    """The ``model`` field of the JSON records."""
-    return (f"gpt d={model.dim} heads={model.heads} blocks={model.blocks} context={model.context} "
-            f"vocab={model.vocab_size} dropout={model.dropout}")
 
 
 @dataclass
@@ -67,26 +60,48 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _build_run(mode: PipelineMode, layout: Layout, preset: Preset, corpus: Corpus) -> _Run:
+def _warmup_steps(mode: PipelineMode, preset: Preset) -> int:
+    return preset.warmup_steps if mode.warmup_steps is None else mode.warmup_steps
+
+
+def _build_run(mode: PipelineMode, layout: Layout, preset: Preset, corpus: Corpus | None) -> _Run:
     config = merge_config(base_config(preset, layout.pp), mode.config)
     topology = pipeline_topology(dist.get_world_size(), layout.pp, layout.mp)
     engine = build_engine(config, preset.model, topology, seed=0)
-    warmup = preset.warmup_steps if mode.warmup_steps is None else mode.warmup_steps
-    steps = warmup + 1 + preset.timed_steps
-    sampler = GlobalBatchSampler(corpus.num_windows(preset.model.context), preset.micro_batch,
-                                 engine.gradient_accumulation_steps(), 1, 0, steps, seed=0)
-    return _Run(mode, config, engine, micro_batches(corpus, sampler, preset.model.context))
+    steps = _warmup_steps(mode, preset) + 1 + preset.timed_steps
+    batches = training_batches(preset.model, corpus, preset.micro_batch, engine.gradient_accumulation_steps(), steps)
+    return _Run(mode, config, engine, batches)
 
 
-def _plan_fields(engine: Any) -> dict:
-    """The planner's prediction and decisions for the stage, when it planned."""
+# The planner's steps (ds_pipe_ckpt.planning.stage): the first warms up, the
+# second is the measuring step, the third the first planned step, which the
+# planner checks; a check that fails plans again and checks the next step.
+_MEASURING_STEP = 2
+_FIRST_PLANNED_STEP = 3
+
+
+def _plan_fields(engine: Any, measured_step: int, measured_peak_bytes: int) -> dict:
+    """The planner's prediction and decisions for the stage, when it planned,
+    and ``step_peaks``: the peak of every step measured, in order: the planner's
+    measuring step (every layer checkpointed), each planned step the planner
+    checked (the first planned step first; one more per plan made again), and
+    the benchmark's own measured step ``measured_step``."""
     plan = getattr(engine.module, "checkpoint_plan", None)
     if plan is None:
         return {}
+    steps = [{"step": _MEASURING_STEP, "kind": "measuring", "peak_bytes": plan.measuring_step_peak_bytes,
+              "predicted_bytes": None}]
+    checks = [*plan.earlier_checks, (plan.plan.predicted_peak_bytes, plan.measured_peak_bytes)]
+    steps += [{"step": _FIRST_PLANNED_STEP + i, "kind": "planned", "peak_bytes": measured, "predicted_bytes": predicted}
+              for i, (predicted, measured) in enumerate(checks) if measured is not None]
+    steps.append({"step": measured_step, "kind": "planned", "peak_bytes": measured_peak_bytes,
+                  "predicted_bytes": plan.plan.predicted_peak_bytes})
     return {"predicted_peak_bytes": plan.plan.predicted_peak_bytes,
             "planner_measured_peak_bytes": plan.measured_peak_bytes,
             "plan": [(s.start, s.end, s.decision.value) for s in plan.plan.segments],
-            "plan_recompute_s": plan.plan.recompute_s}
+            "plan_recompute_s": plan.plan.recompute_s,
+            "plans_made": len(checks),
+            "step_peaks": steps}
 
 
 def _records(layout: Layout, preset: Preset, runs: Sequence[_Run], threads: int) -> list[dict]:
@@ -94,7 +109,8 @@ def _records(layout: Layout, preset: Preset, runs: Sequence[_Run], threads: int)
     for run in runs:
         engine = run.engine
         accumulation = engine.gradient_accumulation_steps()
-        records.append(_plan_fields(engine) | {
+        measured_step = _warmup_steps(run.mode, preset) + 1
+        records.append(_plan_fields(engine, measured_step, run.memory.peak_bytes) | {
             "model": model_description(preset.model),
             "pp": layout.pp,
             "mp": layout.mp,
@@ -109,6 +125,7 @@ def _records(layout: Layout, preset: Preset, runs: Sequence[_Run], threads: int)
             "micro_batches": accumulation,
             "micro_batch_size": preset.micro_batch,
             "micro_batches_in_flight": micro_batches_in_flight(layout.pp, engine.stage_id, accumulation),
+            "samples_per_step": preset.micro_batch * accumulation,
             "tokens_per_step": preset.micro_batch * accumulation * preset.model.context,
             "device": str(engine.device),
             "torch_threads": threads,
@@ -117,7 +134,7 @@ def _records(layout: Layout, preset: Preset, runs: Sequence[_Run], threads: int)
     return records
 
 
-def _measure_layout(layout: Layout, preset: Preset, corpus: Corpus, threads: int,
+def _measure_layout(layout: Layout, preset: Preset, corpus: Corpus | None, threads: int,
                     mode_list: Sequence[PipelineMode]) -> list[dict]:
     runs, unavailable = [], []
     for mode in (m for m in mode_list if m.name in layout.modes):
@@ -128,7 +145,7 @@ def _measure_layout(layout: Layout, preset: Preset, corpus: Corpus, threads: int
                                 "unavailable": str(error)})
             continue
         run.activate()
-        for _ in range(preset.warmup_steps if mode.warmup_steps is None else mode.warmup_steps):
+        for _ in range(_warmup_steps(mode, preset)):
             run.step()
         gc.collect()  # no garbage of earlier steps or engines freed inside the measured step
         with track_memory(run.engine.device) as tracker:
@@ -150,7 +167,7 @@ def _measure_layout(layout: Layout, preset: Preset, corpus: Corpus, threads: int
     return records
 
 
-def measure_layouts(layouts: Sequence[Layout], preset: Preset, cache_dir: str, threads: int,
+def measure_layouts(layouts: Sequence[Layout], preset: Preset, cache_dir: str | None, threads: int,
                     mode_list: Sequence[PipelineMode] | None = None) -> list[dict]:
     """This rank's records for every layout (all of the launch's world size):
     one per mode measured, plus one ``{"unavailable": message, ...}`` per mode
@@ -161,7 +178,7 @@ def measure_layouts(layouts: Sequence[Layout], preset: Preset, cache_dir: str, t
     torch.set_num_threads(threads)
     if not torch.cuda.is_available():
         track_cpu_allocations()  # before any engine exists: its frees are then counted exactly
-    corpus = load_corpus(cache_dir)  # built by the parent process
+    corpus = load_corpus(cache_dir) if cache_dir is not None else None  # built by the parent process
     records = []
     # DeepSpeed prints its pipeline layout on stdout: keep the report there clean.
     with contextlib.redirect_stdout(sys.stderr):

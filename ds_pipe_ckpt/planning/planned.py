@@ -23,6 +23,7 @@ class PlannedStage:
     budget_bytes: int
     problem: StageProblem
     plan: StagePlan
+    # The peak of this plan's checked step (its first planned step), above the step's start.
     measured_peak_bytes: int | None = None
     # (predicted, measured) peak of each earlier plan of this stage whose measured
     # step did not fit its prediction (this plan was made after them).
@@ -30,6 +31,8 @@ class PlannedStage:
     # With max_memory_mb: what was allocated when the measuring step began; the
     # budget is max_memory_mb less it.
     step_start_bytes: int | None = None
+    # The peak of the measuring step (every layer checkpointed) that calibrated the plan.
+    measuring_step_peak_bytes: int | None = None
 
     @property
     def layer_names(self) -> list[str]:

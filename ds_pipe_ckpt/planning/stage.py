@@ -380,7 +380,8 @@ class StagePlanner:
                 "size, or use more stages.") from error
         return PlannedStage(stage=self.stage, num_stages=self.num_stages, in_flight=self.in_flight,
                             budget_bytes=self.budget_bytes, problem=problem, plan=plan,
-                            step_start_bytes=self.step_start_bytes if self.max_memory_bytes is not None else None)
+                            step_start_bytes=self.step_start_bytes if self.max_memory_bytes is not None else None,
+                            measuring_step_peak_bytes=self.measuring_step_peak_bytes)
 
     def floor(self, problem: StageProblem, minimum_bytes: int) -> str:
         """What the least feasible peak ``minimum_bytes`` is made of: the part

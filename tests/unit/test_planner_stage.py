@@ -226,6 +226,8 @@ def test_the_check_ends_with_the_step_and_leaves_no_profiler_running(single_rank
     plan = module.checkpoint_plan
     assert plan.measured_peak_bytes is not None or plan.earlier_checks  # measured (and maybe made again)
     assert not torch.autograd._profiler_enabled()
+    # The plan carries the measuring step's peak that calibrated it.
+    assert plan.measuring_step_peak_bytes == module.__dict__["_planner"].measuring_step_peak_bytes > 0
 
 
 def test_a_step_someone_else_profiles_is_not_checked(single_rank_process_group):

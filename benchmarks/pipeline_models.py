@@ -1,0 +1,136 @@
+"""The models ``python -m benchmarks.pipeline`` runs (``--model``): how each is
+described, built as a DeepSpeed pipeline engine and fed.
+
+* ``gpt`` (default): the GPT example (``examples/gpt``) on its byte-level
+  corpus; ``--blocks 24 --dim 64`` is the deeper model of docs/performance.md.
+* ``encoder``: a model built from torch's own layers, as people write one:
+  a ``Linear`` in, ``nn.TransformerEncoderLayer`` blocks (``batch_first``,
+  GELU), a mean over the sequence (a layer that saves nothing for its
+  backward) and a ``Linear`` classifier, on seeded random features whose
+  label is the argmax of a few of them.
+
+In both, only the transformer blocks are checkpointed
+(``checkpointable_layers``), so a uniform ``activation_checkpoint_interval``
+counts blocks, and DeepSpeed balances the blocks across stages
+(``partition_method="type:<block class>"``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+from deepspeed.pipe import LayerSpec
+
+import ds_pipe_ckpt
+from examples.gpt.data import Corpus, micro_batches
+from examples.gpt.engine import build_engine as build_gpt_engine
+from examples.gpt.model import GPTConfig
+from examples.sampling import GlobalBatchSampler
+
+__all__ = ["EncoderConfig", "MODEL_NAMES", "model_name", "model_description", "build_engine", "training_batches",
+           "blocks_of"]
+
+MODEL_NAMES = ("gpt", "encoder")
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """Sizes of the ``encoder`` model (the field names are the GPT model's, so
+    ``--dim``, ``--context``, ``--blocks`` and ``--heads`` size either).
+
+    Attributes:
+        dim: model width; divisible by ``heads``.
+        heads: attention heads.
+        blocks: ``nn.TransformerEncoderLayer`` blocks.
+        context: sequence length of every sample.
+        features: input features per position.
+        classes: output classes.
+    """
+
+    dim: int = 128
+    heads: int = 4
+    blocks: int = 4
+    context: int = 128
+    features: int = 16
+    classes: int = 10
+
+    def __post_init__(self):
+        for name in ("dim", "heads", "blocks", "context", "features", "classes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"EncoderConfig.{name} = {value!r} is invalid: expected a positive integer")
+        if self.dim % self.heads:
+            raise ValueError(f"EncoderConfig.dim = {self.dim} is not divisible by heads = {self.heads}; "
+                             "choose dim as a multiple of heads")
+        if self.classes > self.features:
+            raise ValueError(f"EncoderConfig.classes = {self.classes} > features = {self.features}: a sample's "
+                             "label is the argmax of its first `classes` features")
+
+
+class MeanOverSequence(nn.Module):
+    """``[B, T, D] -> [B, D]``: the mean over the sequence (its backward needs no saved tensor)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=1)
+
+
+def model_name(model: GPTConfig | EncoderConfig) -> str:
+    return "encoder" if isinstance(model, EncoderConfig) else "gpt"
+
+
+def model_description(model: GPTConfig | EncoderConfig) -> str:
+    """The ``model`` field of the JSON records."""
+    if isinstance(model, EncoderConfig):
+        return (f"encoder (nn.TransformerEncoderLayer) d={model.dim} heads={model.heads} blocks={model.blocks} "
+                f"context={model.context} features={model.features} classes={model.classes}")
+    return (f"gpt d={model.dim} heads={model.heads} blocks={model.blocks} context={model.context} "
+            f"vocab={model.vocab_size} dropout={model.dropout}")
+
+
+def blocks_of(model: GPTConfig | EncoderConfig) -> int:
+    return model.blocks
+
+
+def _encoder_specs(model: EncoderConfig) -> list[LayerSpec]:
+    block = LayerSpec(nn.TransformerEncoderLayer, model.dim, model.heads, dim_feedforward=4 * model.dim,
+                      dropout=0.0, activation="gelu", batch_first=True)
+    return ([LayerSpec(nn.Linear, model.features, model.dim)] + [block] * model.blocks
+            + [LayerSpec(MeanOverSequence), LayerSpec(nn.Linear, model.dim, model.classes)])
+
+
+def build_engine(config: dict, model: GPTConfig | EncoderConfig, topology: Any, seed: int = 0) -> Any:
+    """``ds_pipe_ckpt.initialize`` of ``model``'s pipeline under ``config`` (a
+    DeepSpeed config with an ``optimizer`` section), seeded with ``seed`` (the
+    GPT model's weights depend on nothing else; the encoder's also on which
+    layers a stage builds: the benchmark compares memory and time, not losses)."""
+    if isinstance(model, GPTConfig):
+        return build_gpt_engine(config, model, topology, seed=seed)
+    torch.manual_seed(seed)  # LayerSpecs are built in layer order on every stage: the same weights
+    module = ds_pipe_ckpt.PipelineModule(layers=_encoder_specs(model), topology=topology,
+                                         loss_fn=nn.CrossEntropyLoss(), partition_method="type:TransformerEncoderLayer",
+                                         checkpointable_layers=["TransformerEncoderLayer"])
+    engine, _, _, _ = ds_pipe_ckpt.initialize(model=module, config=config,
+                                              model_parameters=[p for p in module.parameters() if p.requires_grad])
+    return engine
+
+
+def _encoder_batches(model: EncoderConfig, micro_batch: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        x = torch.randn(micro_batch, model.context, model.features, generator=generator)
+        yield x, x[:, 0, :model.classes].argmax(dim=-1)
+
+
+def training_batches(model: GPTConfig | EncoderConfig, corpus: Corpus | None, micro_batch: int,
+                     accumulation: int, steps: int, seed: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The micro-batches of ``steps`` steps (the first and the last stage draw
+    the same ones: both consume the engine's data iterator)."""
+    if isinstance(model, EncoderConfig):
+        return _encoder_batches(model, micro_batch, seed)
+    if corpus is None:
+        raise ValueError("the gpt model trains on the GPT example's corpus: pass it")
+    sampler = GlobalBatchSampler(corpus.num_windows(model.context), micro_batch, accumulation, 1, 0, steps, seed=seed)
+    return micro_batches(corpus, sampler, model.context)
