@@ -362,7 +362,14 @@ def check_budget_targets(rows: Sequence[ModeSummary], unavailable: Sequence[dict
         if planned is None:
             reason = next((r["unavailable"] for r in unavailable
                            if (r["pp"], r["budget_fraction"], r["mode"]) == (pp, fraction, PLANNED)), "not run")
-            checks.append(TargetCheck(pp, f"{tag}: planned runs", False, reason))
+            # A budget nothing fits is met by the planner's error naming the least budget
+            # that does, at the first step, instead of a run over it.
+            minimum = infeasible_minimum(reason)
+            refused = minimum is not None and uniform is None
+            detail = (f"no plan and no uniform interval fits; the planner names the least budget: stage "
+                      f"{minimum[0]} needs {minimum[1]:.2f} MiB" if refused else reason)
+            checks.append(TargetCheck(pp, f"{tag}: planned runs, or names the least budget where nothing fits",
+                                      refused, detail))
             continue
         budgets = planned.budget_bytes_by_stage
         unplanned = sorted(set(budgets) - set(planned.predicted_peak_bytes_by_stage or {}))

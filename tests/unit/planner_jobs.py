@@ -34,39 +34,49 @@ def encoder_layers(blocks: int = 6) -> list[nn.Module]:
             + [MeanPool(), nn.Linear(WIDTH, 4)])
 
 
-def _config(pp: int, section: dict | None) -> dict:
+# DeepSpeed's usual pipeline configuration: ZeRO stage 1 and bf16 (a reduce bucket
+# small enough that activations, not the bucket, decide what fits).
+BF16_ZERO1 = {"zero_optimization": {"stage": 1, "reduce_bucket_size": 50_000}, "bf16": {"enabled": True}}
+
+
+def _config(pp: int, section: dict | None, precision: str = "fp32") -> dict:
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": MICRO_BATCHES,
               "train_batch_size": MICRO_BATCH * MICRO_BATCHES * (dist.get_world_size() // pp),
               "steps_per_print": 10**9, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
               "pipeline": {"use_reentrant": False}}
     if section is not None:
         config["activation_checkpointing"] = section
+    if precision == "bf16_zero1":
+        config.update(BF16_ZERO1)
+    elif precision != "fp32":
+        raise ValueError(f"precision {precision!r}: expected 'fp32' or 'bf16_zero1'")
     return config
 
 
-def _batches(steps: int):
+def _batches(steps: int, precision: str = "fp32"):
     generator = torch.Generator().manual_seed(7)
     for _ in range(steps * MICRO_BATCHES):
         x = torch.randn(MICRO_BATCH, SEQUENCE, 16, generator=generator)
-        yield x, x[:, 0, :4].argmax(dim=-1)
+        yield (x.bfloat16() if precision == "bf16_zero1" else x), x[:, 0, :4].argmax(dim=-1)
 
 
-def _engine(pp: int, section: dict | None):
+def _engine(pp: int, section: dict | None, precision: str = "fp32"):
     module = ds_pipe_ckpt.PipelineModule(layers=encoder_layers(), num_stages=pp, loss_fn=nn.CrossEntropyLoss(),
                                          partition_method="uniform")
-    engine, _, _, _ = ds_pipe_ckpt.initialize(model=module, config=_config(pp, section),
+    engine, _, _, _ = ds_pipe_ckpt.initialize(model=module, config=_config(pp, section, precision),
                                               model_parameters=list(module.parameters()))
     return engine, module
 
 
-def plan_under_budgets(pp: int, fractions: list[float], steps: int = 4) -> dict:
+def plan_under_budgets(pp: int, fractions: list[float], steps: int = 4, precision: str = "fp32") -> dict:
     """Train without checkpointing, measuring each stage's step peak; then, for
     each fraction, train planned under budgets of that fraction of every
-    stage's peak. Returns this rank's losses, peaks, plans and warnings."""
+    stage's peak. Returns this rank's losses, peaks, plans and warnings.
+    ``precision`` ``"bf16_zero1"`` trains in bf16 under ZeRO stage 1."""
     track_cpu_allocations()
     stage = dist.get_rank() // (dist.get_world_size() // pp)
-    engine, module = _engine(pp, None)
-    data = _batches(steps)
+    engine, module = _engine(pp, None, precision)
+    data = _batches(steps, precision)
     losses = [float(engine.train_batch(data_iter=data))]  # warm-up
     with track_memory("cpu") as tracker:
         losses.append(float(engine.train_batch(data_iter=data)))
@@ -80,8 +90,8 @@ def plan_under_budgets(pp: int, fractions: list[float], steps: int = 4) -> dict:
         budgets = [round(fraction * peak / 2**20, 4) for peak in stage_peaks]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", PlanPredictionWarning)
-            engine, module = _engine(pp, {"memory_budget_mb": budgets})
-            data = _batches(steps)
+            engine, module = _engine(pp, {"memory_budget_mb": budgets}, precision)
+            data = _batches(steps, precision)
             run_losses = [float(engine.train_batch(data_iter=data)) for _ in range(steps)]
         plan = module.checkpoint_plan
         result["runs"][fraction] = {
@@ -96,8 +106,8 @@ def plan_under_budgets(pp: int, fractions: list[float], steps: int = 4) -> dict:
         }
         del engine, module
     # Through ds_pipe_ckpt.initialize with the total-memory key.
-    engine, module = _engine(pp, {"max_memory_mb": 10**6})
-    data = _batches(steps)
+    engine, module = _engine(pp, {"max_memory_mb": 10**6}, precision)
+    data = _batches(steps, precision)
     result["max_memory_losses"] = [float(engine.train_batch(data_iter=data)) for _ in range(steps)]
     plan = module.checkpoint_plan
     result["max_memory_plan"] = None if plan is None else (plan.budget_bytes, plan.step_start_bytes)

@@ -251,7 +251,14 @@ def test_budget_rows_targets_and_table():
     assert checks[("budget 0.5 x", "planned step time <= uniform_best's")].met is True
     prediction = checks[("budget 0.5 x", "predicted peak within 10% of every measured planned step")]
     assert prediction.met is False and prediction.detail == "+3.6% to +20.0%"
-    assert checks[("budget 0.3 x", "planned runs")].met is False
+    refused = checks[("budget 0.3 x", "planned runs, or names the least budget where nothing fits")]
+    assert refused.met is False  # the reason names no least budget
+    named = "ConfigError: activation_checkpointing.memory_budget_mb = 3 is invalid: expected at least 4.20 MiB for " \
+        "pipeline stage 0."
+    checks = {c.target: c for c in check_budget_targets(
+        [], [r | {"unavailable": named} if r["mode"] == PLANNED else r for r in budget_records(infeasible)])}
+    refused = checks["budget 0.3 x: planned runs, or names the least budget where nothing fits"]
+    assert refused.met is True and refused.detail.endswith("stage 0 needs 4.20 MiB")
     report = markdown(rows + [_rank_record("none", 0, 10.0, 0.1), _rank_record("none", 1, 6.0, 0.1)],
                       {"summary": "cpu", "model": "gpt", "cpu_count": 2}, {"none": "no checkpointing"})
     assert "### pp = 2: memory budgets" in report

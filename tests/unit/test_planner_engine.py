@@ -4,6 +4,9 @@ and a head on the last stage, pp=2, 4 micro-batches): every stage plans, and
 no planned step, the first included, measures more than its plan predicted or
 its budget allows; the losses are those of training without checkpointing.
 
+The same in bf16 under ZeRO stage 1 (DeepSpeed's usual pipeline
+configuration, with its fp32 gradient accumulation and reduce bucket).
+
 Before: the last stage never planned (its mean-pool saves nothing for
 backward, so torch never recomputed it and its measurement never completed)
 and the first planned step of stage 0 measured 7-11% above its budget.
@@ -60,3 +63,20 @@ def test_the_floor_names_zeros_reduce_bucket():
     assert "is what the plan controls" in message
     assert "ZeRO stage 1's reduce bucket (zero_optimization.reduce_bucket_size = 5000000 elements of " in message
     assert "a smaller zero_optimization.reduce_bucket_size lowers it" in message
+
+
+@pytest.fixture(scope="module")
+def bf16_zero1_results():
+    return run_ranks(planner_jobs.plan_under_budgets, 2, 2, [0.7], 4, "bf16_zero1", timeout=600)
+
+
+def test_bf16_under_zero1_plans_within_budget_and_trains_exactly(bf16_zero1_results):
+    for result in bf16_zero1_results:
+        run = result["runs"][0.7]
+        stage = f"stage {result['stage']} (bf16, ZeRO-1) at 0.7 x its no-checkpoint peak"
+        assert run["planned"], f"{stage}: no plan"
+        assert set(run["decisions"]) - {"store"}, (stage, run["decisions"])  # the budget made it recompute
+        checks = [*run["earlier_checks"], (run["predicted_bytes"], run["measured_bytes"])]
+        assert all(measured <= run["budget_bytes"] for _, measured in checks), (stage, checks, run["budget_bytes"])
+        assert run["measured_bytes"] <= run["predicted_bytes"], (stage, run)
+        assert run["losses"] == result["none_losses"], f"{stage}: losses differ from no checkpointing"
