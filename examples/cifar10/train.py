@@ -51,12 +51,12 @@ import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
 import ds_pipe_ckpt  # noqa: E402
 from examples.cifar10.data import CifarData, load_cifar10, micro_batches  # noqa: E402
 from examples.launching import add_launch_arguments, check_launch_arguments, save_parameters  # noqa: E402
 from examples.sampling import GlobalBatchSampler  # noqa: E402
+from examples.training import add_progress_arguments, make_progress  # noqa: E402
 from examples.cifar10.model import (ALEXNET_CHANNELS, MODELS, RESNET_WIDTHS, alexnet_layers,  # noqa: E402
                                     resnet_layers)
 from examples.cifar10.report import RunResult, summary_line, write_outputs  # noqa: E402
@@ -75,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_launch_arguments(parser, steps=100, out_dir="runs/cifar10")
+    add_progress_arguments(parser)
     parser.add_argument("--mp", type=int, default=1, help="tensor-parallel size of the classifier head")
     parser.add_argument("--data-dir", default=None,
                         help="torchvision CIFAR-10 root (holding cifar-10-batches-py); default "
@@ -105,6 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("resnet_steps", "blocks"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.log_every < 1:
+        parser.error(f"--log-every must be >= 1, got {args.log_every}")
     if args.eval_samples is not None and args.eval_samples < 0:
         parser.error(f"--eval-samples must be >= 0, got {args.eval_samples}")
     try:
@@ -289,8 +292,8 @@ def train_one(config_path: str, model: str, args: argparse.Namespace, layout: La
                        checkpoint_interval=module.activation_checkpoint_interval, model=model,
                        gradient_accumulation_steps=accum)
 
-    bar = tqdm(total=steps, desc=result.name, unit="step", dynamic_ncols=True, mininterval=0.5,
-               disable=layout.rank != 0 or args.no_progress)
+    bar = make_progress(steps, result.name, enabled=layout.rank == 0 and not args.no_progress,
+                        log_every=args.log_every)
     start = time.perf_counter()
     for _ in range(steps):
         step_start = time.perf_counter()

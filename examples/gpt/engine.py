@@ -12,6 +12,7 @@ import torch
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 import ds_pipe_ckpt
+from examples.training import checkpointing_mode, pipeline_topology
 
 from .model import CHECKPOINTABLE_LAYERS, GPTConfig, gpt_layer_specs, language_model_loss
 
@@ -20,23 +21,6 @@ __all__ = ["pipeline_topology", "build_engine", "checkpointing_mode", "DEFAULT_P
 # Balance the transformer blocks across stages (DeepSpeed's "type:REGEX" method);
 # the embedding goes with the first stage, the final norm and head with the last.
 DEFAULT_PARTITION_METHOD = "type:Block"
-
-
-def pipeline_topology(world_size: int, pp: int, mp: int = 1) -> PipeModelDataParallelTopology:
-    """The (pipe, data, model) grid of ``world_size`` ranks; data-parallel size
-    ``world_size / (pp * mp)``.
-
-    The model has no tensor-parallel layers: the ``mp`` ranks of a stage compute
-    the same thing. The axis exists so that ``activation_checkpointing.partition_activations``
-    has a model-parallel group to shard checkpoint inputs across.
-
-    Raises:
-        ValueError: ``world_size`` is not a multiple of ``pp * mp``.
-    """
-    if pp < 1 or mp < 1 or world_size % (pp * mp):
-        raise ValueError(f"world size {world_size} cannot be split as pp={pp} x mp={mp} x dp: launch a "
-                         "multiple of pp * mp ranks")
-    return PipeModelDataParallelTopology(num_pp=pp, num_mp=mp, num_dp=world_size // (pp * mp))
 
 
 def build_engine(config: dict, model: GPTConfig, topology: PipeModelDataParallelTopology, seed: int = 0,
@@ -60,12 +44,3 @@ def build_engine(config: dict, model: GPTConfig, topology: PipeModelDataParallel
                                               model_parameters=[p for p in module.parameters() if p.requires_grad])
     torch.manual_seed(seed if dropout_seed is None else dropout_seed)
     return engine
-
-
-def checkpointing_mode(engine: Any) -> str:
-    """``"planned"`` (``activation_checkpointing.memory_budget_mb``), ``"none"``,
-    ``"reentrant"`` or ``"non_reentrant"``: what the engine's module runs."""
-    module = engine.module
-    if module.planning_enabled:
-        return "planned"
-    return "none" if module.activation_checkpoint_interval == 0 else module.checkpoint_mode
