@@ -3,6 +3,7 @@
 #   make cifar10  - the CIFAR-10 pipeline example on CPU, 8 ranks (pp=2 x mp=2 x dp=2)
 # and more, the same way:
 #   make gpt             - the GPT pipeline example on CPU (pp=2): none, non-reentrant, selective, planned
+#   make llama           - the Llama pipeline example (transformers' layers) on CPU (pp=2), the same four modes
 #   make benchmark       - python -m benchmarks.checkpointing (one stage, every path, beside upstream and torch)
 #   make benchmark-pipeline - python -m benchmarks.pipeline --budget 0.3 0.5 0.75 (per stage, in the engine)
 
@@ -12,7 +13,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: install test cifar10 gpt benchmark benchmark-pipeline
+.PHONY: install test cifar10 gpt llama benchmark benchmark-pipeline
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +33,9 @@ cifar10: $(STAMP)
 
 gpt: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash examples/gpt/run_cpu.sh
+
+llama: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash examples/llama/run_cpu.sh
 
 benchmark: $(STAMP)
 	$(PY) -m benchmarks.checkpointing
