@@ -358,9 +358,16 @@ class StagePlanner:
             # beyond that plan's prediction (the backward's workspace, the engine's
             # and the optimizer's buffers, ZeRO's reduce bucket) is there whatever
             # the plan. Counted from the first plan on, so that it is an upper bound.
+            # Two things it cannot carry over are counted on top: small allocations
+            # (a share of the peak), and one activation gradient in flight, which the
+            # backward holds at a segment boundary while it computes the next: the
+            # measuring step's peak (inside a layer's recomputation) shows it there,
+            # but a plan that moves its peak elsewhere (the start of the backward,
+            # or a segment boundary after stored layers) meets one more of it.
             modelled = predicted_peak_bytes(problem, self._measured_segments(problem))
             margin = max(SMALL_ALLOCATIONS_MIN_BYTES, int(SMALL_ALLOCATIONS_SHARE * self.measuring_step_peak_bytes))
-            self.unmodelled_bytes = max(0, self.measuring_step_peak_bytes - modelled) + margin
+            self.unmodelled_bytes = (max(0, self.measuring_step_peak_bytes - modelled) + margin
+                                     + self._largest_boundary_bytes(problem))
             problem = self._problem()
         try:
             plan = plan_stage(problem)
@@ -382,6 +389,14 @@ class StagePlanner:
                             budget_bytes=self.budget_bytes, problem=problem, plan=plan,
                             step_start_bytes=self.step_start_bytes if self.max_memory_bytes is not None else None,
                             measuring_step_peak_bytes=self.measuring_step_peak_bytes)
+
+    def _largest_boundary_bytes(self, problem: StageProblem) -> int:
+        """The largest tensor that crosses a layer boundary of this stage (its
+        input, a layer's input, its output): the size of an activation gradient
+        in flight between segments."""
+        measured = self.measurement
+        return max([measured.stage_input_bytes, measured.stage_output_bytes]
+                   + [layer.input_bytes for layer in problem.layers])
 
     def floor(self, problem: StageProblem, minimum_bytes: int) -> str:
         """What the least feasible peak ``minimum_bytes`` is made of: the part
