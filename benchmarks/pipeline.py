@@ -1,6 +1,7 @@
 """Peak memory of every pipeline stage and step time, per activation-checkpointing
-mode, in DeepSpeed's PipelineEngine on the GPT example model (or a stack of
-torch's ``nn.TransformerEncoderLayer``: ``--model encoder``).
+mode, in DeepSpeed's PipelineEngine on the GPT example model (or transformers'
+Llama layers, ``--model llama``, or a stack of torch's
+``nn.TransformerEncoderLayer``, ``--model encoder``).
 
 Run from the repository root::
 
@@ -55,7 +56,7 @@ from examples.gpt.data import load_corpus  # noqa: E402
 from .checkpointing import machine_info  # noqa: E402
 from .pipeline_budget import (PLANNED, BudgetOutcome, budget_records, infeasible_minimum,  # noqa: E402
                               planned_mode, stage_budgets, uniform_best, uniform_modes)
-from .pipeline_models import MODEL_NAMES, EncoderConfig, model_description  # noqa: E402
+from .pipeline_models import MODEL_NAMES, EncoderConfig, LlamaSizes, model_description  # noqa: E402
 from .pipeline_modes import PRESETS, Layout, PipelineMode, Preset, layouts, modes  # noqa: E402
 from .pipeline_rank import measure_layouts  # noqa: E402
 from .pipeline_report import markdown, summarize, write_budget_png, write_json, write_png  # noqa: E402
@@ -77,8 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--cache-dir", default=str(REPO_ROOT / ".cache" / "gpt"),
                         help="where the GPT example's corpus is cached")
     parser.add_argument("--model", choices=MODEL_NAMES, default="gpt",
-                        help="gpt: the GPT example (default); encoder: a Linear, nn.TransformerEncoderLayer blocks, "
-                             "a mean-pool and a Linear head, on random features")
+                        help="gpt: the GPT example (default); llama: transformers' Llama layers (examples/llama); "
+                             "encoder: a Linear, nn.TransformerEncoderLayer blocks, a mean-pool and a Linear head, "
+                             "on random features")
     parser.add_argument("--pp", type=int, nargs="+", metavar="PP",
                         help="pipeline depths (default: the preset's, 2 and 4; --quick: 2)")
     parser.add_argument("--timed-steps", type=int, metavar="N", help="timed steps per mode (default: the preset's)")
@@ -101,8 +103,8 @@ def _preset(args: argparse.Namespace) -> Preset:
         ValueError: a size, depth or step count the model or preset refuses (named).
     """
     preset = PRESETS[args.preset]
-    model = EncoderConfig(dim=preset.model.dim, context=preset.model.context) if args.model == "encoder" \
-        else preset.model
+    model = {"encoder": EncoderConfig, "llama": LlamaSizes}.get(args.model)
+    model = preset.model if model is None else model(dim=preset.model.dim, context=preset.model.context)
     sizes = {name: getattr(args, name) for name in ("dim", "context", "blocks", "heads")
              if getattr(args, name) is not None}
     changes: dict = {"model": dataclasses.replace(model, **sizes)}
@@ -135,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    model=model_description(preset.model), micro_batch=preset.micro_batch,
                    warmup_steps=preset.warmup_steps, timed_steps=preset.timed_steps,
                    cpu_allocation_tracking=device.type == "cpu")
-    cache_dir = args.cache_dir if args.model == "gpt" else None
+    cache_dir = None if args.model == "encoder" else args.cache_dir  # gpt and llama train on the corpus
     if cache_dir is not None:
         load_corpus(cache_dir)  # written once here, read by every rank
 

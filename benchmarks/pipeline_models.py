@@ -3,6 +3,9 @@ described, built as a DeepSpeed pipeline engine and fed.
 
 * ``gpt`` (default): the GPT example (``examples/gpt``) on its byte-level
   corpus; ``--blocks 24 --dim 64`` is the deeper model of docs/performance.md.
+* ``llama``: transformers' Llama (``examples/llama``: ``LlamaDecoderLayer``,
+  rotary table, RMSNorm, tied head) at the benchmark's sizes, on the GPT
+  example's corpus (byte-level, as the Llama example trains by default).
 * ``encoder``: a model built from torch's own layers, as people write one:
   a ``Linear`` in, ``nn.TransformerEncoderLayer`` blocks (``batch_first``,
   GELU), a mean over the sequence (a layer that saves nothing for its
@@ -28,12 +31,14 @@ import ds_pipe_ckpt
 from examples.gpt.data import Corpus, micro_batches
 from examples.gpt.engine import build_engine as build_gpt_engine
 from examples.gpt.model import GPTConfig
+from examples.llama.engine import build_engine as build_llama_engine
+from examples.llama.model import small_config
 from examples.sampling import GlobalBatchSampler
 
-__all__ = ["EncoderConfig", "MODEL_NAMES", "model_name", "model_description", "build_engine", "training_batches",
+__all__ = ["EncoderConfig", "LlamaSizes", "MODEL_NAMES", "model_name", "model_description", "build_engine", "training_batches",
            "blocks_of"]
 
-MODEL_NAMES = ("gpt", "encoder")
+MODEL_NAMES = ("gpt", "llama", "encoder")
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,40 @@ class EncoderConfig:
                              "label is the argmax of its first `classes` features")
 
 
+@dataclass(frozen=True)
+class LlamaSizes:
+    """Sizes of the ``llama`` model (field names as the GPT model's).
+
+    Attributes:
+        dim: hidden size; divisible by ``heads``.
+        heads: attention heads, sharing ``heads // 2`` key/value heads (grouped-query
+            attention, as Llama 2 70B and Llama 3 have), at least 1.
+        blocks: decoder layers.
+        context: sequence length of every sample.
+    """
+
+    dim: int = 128
+    heads: int = 4
+    blocks: int = 4
+    context: int = 128
+
+    def __post_init__(self):
+        for name in ("dim", "heads", "blocks", "context"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"LlamaSizes.{name} = {value!r} is invalid: expected a positive integer")
+        if self.dim % self.heads:
+            raise ValueError(f"LlamaSizes.dim = {self.dim} is not divisible by heads = {self.heads}; "
+                             "choose dim as a multiple of heads")
+
+    def config(self):
+        """The ``LlamaConfig``: the Llama example's small config at these sizes
+        (MLP 2 x dim with SwiGLU, byte-level vocabulary, tied embeddings, SDPA)."""
+        return small_config(hidden_size=self.dim, intermediate_size=2 * self.dim, num_hidden_layers=self.blocks,
+                            num_attention_heads=self.heads, num_key_value_heads=max(1, self.heads // 2),
+                            max_position_embeddings=max(1024, self.context))
+
+
 class MeanOverSequence(nn.Module):
     """``[B, T, D] -> [B, D]``: the mean over the sequence (its backward needs no saved tensor)."""
 
@@ -77,12 +116,18 @@ class MeanOverSequence(nn.Module):
         return x.mean(dim=1)
 
 
-def model_name(model: GPTConfig | EncoderConfig) -> str:
-    return "encoder" if isinstance(model, EncoderConfig) else "gpt"
+Model = GPTConfig | LlamaSizes | EncoderConfig
 
 
-def model_description(model: GPTConfig | EncoderConfig) -> str:
+def model_name(model: Model) -> str:
+    return {EncoderConfig: "encoder", LlamaSizes: "llama"}.get(type(model), "gpt")
+
+
+def model_description(model: Model) -> str:
     """The ``model`` field of the JSON records."""
+    if isinstance(model, LlamaSizes):
+        return (f"llama (transformers LlamaDecoderLayer) d={model.dim} heads={model.heads} "
+                f"kv_heads={max(1, model.heads // 2)} blocks={model.blocks} context={model.context} vocab=256")
     if isinstance(model, EncoderConfig):
         return (f"encoder (nn.TransformerEncoderLayer) d={model.dim} heads={model.heads} blocks={model.blocks} "
                 f"context={model.context} features={model.features} classes={model.classes}")
@@ -90,7 +135,7 @@ def model_description(model: GPTConfig | EncoderConfig) -> str:
             f"vocab={model.vocab_size} dropout={model.dropout}")
 
 
-def blocks_of(model: GPTConfig | EncoderConfig) -> int:
+def blocks_of(model: Model) -> int:
     return model.blocks
 
 
@@ -101,13 +146,16 @@ def _encoder_specs(model: EncoderConfig) -> list[LayerSpec]:
             + [LayerSpec(MeanOverSequence), LayerSpec(nn.Linear, model.dim, model.classes)])
 
 
-def build_engine(config: dict, model: GPTConfig | EncoderConfig, topology: Any, seed: int = 0) -> Any:
+def build_engine(config: dict, model: Model, topology: Any, seed: int = 0) -> Any:
     """``ds_pipe_ckpt.initialize`` of ``model``'s pipeline under ``config`` (a
     DeepSpeed config with an ``optimizer`` section), seeded with ``seed`` (the
     GPT model's weights depend on nothing else; the encoder's also on which
     layers a stage builds: the benchmark compares memory and time, not losses)."""
     if isinstance(model, GPTConfig):
         return build_gpt_engine(config, model, topology, seed=seed)
+    if isinstance(model, LlamaSizes):
+        engine, _ = build_llama_engine(config, model.config(), topology, seed=seed)
+        return engine
     torch.manual_seed(seed)  # LayerSpecs are built in layer order on every stage: the same weights
     module = ds_pipe_ckpt.PipelineModule(layers=_encoder_specs(model), topology=topology,
                                          loss_fn=nn.CrossEntropyLoss(), partition_method="type:TransformerEncoderLayer",
@@ -124,13 +172,13 @@ def _encoder_batches(model: EncoderConfig, micro_batch: int, seed: int) -> Itera
         yield x, x[:, 0, :model.classes].argmax(dim=-1)
 
 
-def training_batches(model: GPTConfig | EncoderConfig, corpus: Corpus | None, micro_batch: int,
+def training_batches(model: Model, corpus: Corpus | None, micro_batch: int,
                      accumulation: int, steps: int, seed: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The micro-batches of ``steps`` steps (the first and the last stage draw
     the same ones: both consume the engine's data iterator)."""
     if isinstance(model, EncoderConfig):
         return _encoder_batches(model, micro_batch, seed)
     if corpus is None:
-        raise ValueError("the gpt model trains on the GPT example's corpus: pass it")
+        raise ValueError(f"the {model_name(model)} model trains on the GPT example's corpus: pass it")
     sampler = GlobalBatchSampler(corpus.num_windows(model.context), micro_batch, accumulation, 1, 0, steps, seed=seed)
     return micro_batches(corpus, sampler, model.context)

@@ -172,6 +172,12 @@ def test_command_line_chooses_the_model_depths_and_timed_steps():
         _preset(_parser().parse_args(["--model", "encoder", "--dim", "100", "--heads", "8"]))
     with pytest.raises(ValueError, match="classes = 10 > features = 4"):
         EncoderConfig(features=4)
+    llama = _preset(_parser().parse_args(["--model", "llama", "--blocks", "6", "--quick"])).model
+    assert (model_name(llama), llama.blocks, llama.dim, llama.context) == ("llama", 6, 128, 128)
+    config = llama.config()
+    assert (config.num_hidden_layers, config.hidden_size, config.num_key_value_heads, config.vocab_size) == (6, 128, 2, 256)
+    with pytest.raises(ValueError, match="LlamaSizes.dim = 100 is not divisible by heads = 8"):
+        _preset(_parser().parse_args(["--model", "llama", "--dim", "100", "--heads", "8"]))
 
 
 # -- --budget: planned against the best uniform interval ----------------------------------
