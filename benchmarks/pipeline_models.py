@@ -41,6 +41,19 @@ __all__ = ["EncoderConfig", "LlamaSizes", "MODEL_NAMES", "model_name", "model_de
 MODEL_NAMES = ("gpt", "llama", "encoder")
 
 
+def _check_sizes(sizes: Any, names: tuple[str, ...]) -> None:
+    """Raises ValueError naming the field unless every one of ``names`` is a
+    positive int and ``dim`` is a multiple of ``heads``."""
+    owner = type(sizes).__name__
+    for name in names:
+        value = getattr(sizes, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{owner}.{name} = {value!r} is invalid: expected a positive integer")
+    if sizes.dim % sizes.heads:
+        raise ValueError(f"{owner}.dim = {sizes.dim} is not divisible by heads = {sizes.heads}; "
+                         "choose dim as a multiple of heads")
+
+
 @dataclass(frozen=True)
 class EncoderConfig:
     """Sizes of the ``encoder`` model (the field names are the GPT model's, so
@@ -63,13 +76,7 @@ class EncoderConfig:
     classes: int = 10
 
     def __post_init__(self):
-        for name in ("dim", "heads", "blocks", "context", "features", "classes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"EncoderConfig.{name} = {value!r} is invalid: expected a positive integer")
-        if self.dim % self.heads:
-            raise ValueError(f"EncoderConfig.dim = {self.dim} is not divisible by heads = {self.heads}; "
-                             "choose dim as a multiple of heads")
+        _check_sizes(self, ("dim", "heads", "blocks", "context", "features", "classes"))
         if self.classes > self.features:
             raise ValueError(f"EncoderConfig.classes = {self.classes} > features = {self.features}: a sample's "
                              "label is the argmax of its first `classes` features")
@@ -93,13 +100,7 @@ class LlamaSizes:
     context: int = 128
 
     def __post_init__(self):
-        for name in ("dim", "heads", "blocks", "context"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"LlamaSizes.{name} = {value!r} is invalid: expected a positive integer")
-        if self.dim % self.heads:
-            raise ValueError(f"LlamaSizes.dim = {self.dim} is not divisible by heads = {self.heads}; "
-                             "choose dim as a multiple of heads")
+        _check_sizes(self, ("dim", "heads", "blocks", "context"))
 
     def config(self):
         """The ``LlamaConfig``: the Llama example's small config at these sizes
