@@ -71,7 +71,9 @@ _FLAG = "FLAGS_caffe2_report_cpu_memory_usage"
 @dataclass
 class MemoryReport:
     """Bytes allocated above the start of the region: the peak (>= 0), the
-    amount at the end, and at each :meth:`MemoryTracker.mark`; and
+    amount at the end, and at each :meth:`MemoryTracker.mark` (``marks``),
+    with the peak from the previous mark (or the start) up to each mark
+    (``interval_peaks``); and
     ``start_bytes``, what was allocated when the region began (CUDA: all of
     it; CPU: what the allocator counts, i.e. the blocks allocated since
     :func:`track_cpu_allocations` was turned on)."""
@@ -80,6 +82,7 @@ class MemoryReport:
     final_bytes: int = 0
     marks: dict[str, int] = field(default_factory=dict)
     start_bytes: int = 0
+    interval_peaks: dict[str, int] = field(default_factory=dict)
 
 
 class MemoryTracker:
@@ -91,9 +94,13 @@ class MemoryTracker:
         self.report = MemoryReport()
         self.mark_names: list[str] = []
         self.cuda_base_bytes = 0
+        self.cuda_peak_bytes = 0  # the largest peak of the intervals between marks so far
 
     def mark(self, name: str) -> None:
         """Record the bytes allocated now (above the start) under ``name``.
+
+        On CUDA a mark resets the device's peak statistics
+        (``torch.cuda.reset_peak_memory_stats``) to measure the next interval.
 
         Raises:
             ValueError: ``name`` was used before in this region.
@@ -103,6 +110,11 @@ class MemoryTracker:
         self.mark_names.append(name)
         if self.device.type == "cuda":
             self.report.marks[name] = torch.cuda.memory_allocated(self.device) - self.cuda_base_bytes
+            # The peak since the previous mark; the region's peak is the largest of these.
+            peak = torch.cuda.max_memory_allocated(self.device) - self.cuda_base_bytes
+            self.report.interval_peaks[name] = peak
+            self.cuda_peak_bytes = max(self.cuda_peak_bytes, peak)
+            torch.cuda.reset_peak_memory_stats(self.device)
         else:
             _probe(name)
 
@@ -181,9 +193,11 @@ def track_memory(device: torch.device | str) -> Iterator[MemoryTracker]:
         tracker.cuda_base_bytes = torch.cuda.memory_allocated(device)
         yield tracker
         torch.cuda.synchronize(device)
-        tracker.report.peak_bytes = torch.cuda.max_memory_allocated(device) - tracker.cuda_base_bytes
+        tracker.report.peak_bytes = max(0, tracker.cuda_peak_bytes,
+                                        torch.cuda.max_memory_allocated(device) - tracker.cuda_base_bytes)
         tracker.report.final_bytes = torch.cuda.memory_allocated(device) - tracker.cuda_base_bytes
         tracker.report.start_bytes = tracker.cuda_base_bytes
+        tracker.report.interval_peaks = {name: max(0, peak) for name, peak in tracker.report.interval_peaks.items()}
     elif device.type == "cpu":
         from torch.profiler import ProfilerActivity, profile
 
@@ -231,4 +245,12 @@ def _report_from_events(event_tree: Iterable[Any], mark_names: list[str]) -> Mem
     inside = [total for time_ns, total in allocations if start_ns <= time_ns <= end_ns]
     marks = {name: probes[name][1] - base for name in mark_names}
     peak = max([0, end - base, *marks.values(), *(total - base for total in inside)])
-    return MemoryReport(peak_bytes=peak, final_bytes=end - base, marks=marks, start_bytes=base)
+    interval_peaks = {}
+    previous_ns, previous_bytes = start_ns, 0
+    for name in mark_names:  # in the order they were made
+        mark_ns = probes[name][0]
+        inside_interval = [total - base for time_ns, total in allocations if previous_ns <= time_ns <= mark_ns]
+        interval_peaks[name] = max([0, previous_bytes, marks[name], *inside_interval])
+        previous_ns, previous_bytes = mark_ns, marks[name]
+    return MemoryReport(peak_bytes=peak, final_bytes=end - base, marks=marks, start_bytes=base,
+                        interval_peaks=interval_peaks)

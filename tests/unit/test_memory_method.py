@@ -50,6 +50,8 @@ def test_peak_follows_allocations_and_frees_in_order(device):
         tracker.mark("c only")
     assert tracker.report.marks == {"a and b": 4096 * F32, "c only": 2048 * F32}
     assert tracker.report.peak_bytes == 5120 * F32
+    # The peak from the previous mark (or the start) up to each mark: the second saw b + c.
+    assert tracker.report.interval_peaks == {"a and b": 4096 * F32, "c only": 5120 * F32}
     assert tracker.report.final_bytes == 2048 * F32
     del c
 
