@@ -41,7 +41,8 @@ activations of the segment's layers up to ``l`` are alive (stored or rebuilt;
 those after ``l`` are freed) and the gradients of every later layer exist.
 Without gradient bytes (and v) these are the plain sums 0, sum a_i and
 sum (a_i - s_i).
-The last segment's transient is at least ``held_gradient_bytes`` (below).
+The last segment's transient is at least ``held_gradient_bytes`` and
+``backward_start_bytes`` (below).
 
 SELECTIVE needs the selective figures of every layer of the segment;
 CHECKPOINT and SELECTIVE need every layer of the segment to be
@@ -65,9 +66,26 @@ full, its segments after ``j`` are already freed and segment ``j``'s
 activations are rebuilt. ``held_gradient_bytes`` (every g_i, when the stage
 runs forwards after its first backward of the step) are alive during those
 later forwards, when k micro-batches are held again: ``k * H + that``, which
-the last segment's transient covers. (For the last segment ``H_<=j = H``, so
-the second term is never below the first.) A plan is feasible when
-``peak <= budget``.
+the last segment's transient covers. It covers ``backward_start_bytes`` too:
+what the end of the forwards and the start of the backward hold beyond
+``k * H`` that no segment's backward meets (the loss and the gradient of the
+stage's output, on the last stage): ``k * H + that``. (For the last segment
+``H_<=j = H``, so the second term is never below the first.) A plan is
+feasible when ``peak <= budget``.
+
+**A backward that keeps the graph** (``StageProblem.backward_keeps_graph``):
+DeepSpeed's ``PipelineEngine`` (0.19) runs a stage's backward once per
+floating-point tensor the stage sends, with ``retain_graph=True`` for all but
+the last. Every activation stored for the micro-batch then stays until its
+whole backward ends: nothing is freed as the backward goes (recomputed
+activations still are, as torch's checkpoint unpacks them). The oldest
+micro-batch holds all its ``H`` while segment ``j`` is rebuilt, and a STORE
+segment's own layers are not freed under its gradients::
+
+    transient(STORE) = max_l G_>l = G_>start
+    peak = base + k * H + max_j transient_j
+
+(CHECKPOINT and SELECTIVE transients are as above.)
 
 Recomputation times are summed exactly: every time is a binary fraction, so
 all of a problem's times are integer multiples of one power of two
@@ -173,7 +191,9 @@ class StageProblem:
     whose activations the stage holds at once; ``budget_bytes`` bounds the
     predicted peak, which includes ``base_bytes``; ``label`` names the stage in
     error messages; ``allow_selective=False`` keeps the solver from choosing
-    SELECTIVE (the evaluation functions still price any valid plan).
+    SELECTIVE (the evaluation functions still price any valid plan);
+    ``backward_keeps_graph`` prices plans for a backward that keeps each
+    micro-batch's stored activations until its end (module docstring).
 
     Raises TypeError or ValueError naming the field for an empty chain, a
     non-layer element, ``in_flight < 1`` or a negative byte count.
@@ -186,6 +206,8 @@ class StageProblem:
     label: str = "stage"
     allow_selective: bool = True
     held_gradient_bytes: int = 0
+    backward_keeps_graph: bool = False
+    backward_start_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.label, str):
@@ -201,8 +223,11 @@ class StageProblem:
         _require_int(owner, "budget_bytes", self.budget_bytes, 0)
         _require_int(owner, "base_bytes", self.base_bytes, 0)
         _require_int(owner, "held_gradient_bytes", self.held_gradient_bytes, 0)
+        _require_int(owner, "backward_start_bytes", self.backward_start_bytes, 0)
         if not isinstance(self.allow_selective, bool):
             raise TypeError(f"{owner}: allow_selective must be a bool, got {self.allow_selective!r}")
+        if not isinstance(self.backward_keeps_graph, bool):
+            raise TypeError(f"{owner}: backward_keeps_graph must be a bool, got {self.backward_keeps_graph!r}")
 
     @property
     def num_layers(self) -> int:
@@ -282,6 +307,8 @@ class ChainCosts:
         # of layers before b; _peak_u[s][e] = max(U[s+1 .. e]) (the module docstring's
         # max over a segment's layers, from prefix sums).
         grads_after = list(accumulate((layer.grad_bytes for layer in reversed(layers)), initial=0))[::-1]
+        self._grads_after = grads_after
+        self._keeps_graph = problem.backward_keeps_graph
         u = [self._saved[b] + grads_after[b] for b in range(n + 1)]
         self._peak_u = [[0] * (n + 1) for _ in range(n + 1)]
         for start in range(n):
@@ -290,7 +317,8 @@ class ChainCosts:
                 running = max(running, u[end]) if end > start + 1 else u[end]
                 self._peak_u[start][end] = running
         self._n = n
-        self._held_gradients = problem.held_gradient_bytes
+        # What the end of the forwards holds beyond k * H: the last segment's least transient.
+        self._last_floor = max(problem.held_gradient_bytes, problem.backward_start_bytes)
         self._selective_saved = _prefix(layer.selective_saved_bytes or 0 for layer in layers)
         self._selective_capable = _prefix(int(layer.has_selective) for layer in layers)
         self._checkpointable = _prefix(int(layer.checkpointable) for layer in layers)
@@ -314,9 +342,11 @@ class ChainCosts:
         under ``decision`` (the table of the module docstring)."""
         saved = self._saved[end] - self._saved[start]
         peak_u = self._peak_u[start][end]
-        floor = self._held_gradients if end == self._n else 0
+        floor = self._last_floor if end == self._n else 0
         if decision is Decision.STORE:
-            return SegmentCost(saved, max(peak_u - self._saved[end], floor), 0)
+            # Kept graph: the segment's layers are not freed under the later gradients.
+            grads = self._grads_after[start + 1] if self._keeps_graph else peak_u - self._saved[end]
+            return SegmentCost(saved, max(grads, floor), 0)
         rebuilt = peak_u - self._saved[start] - self._input_saved[start]  # the held input is not rebuilt
         if decision is Decision.CHECKPOINT:
             return SegmentCost(self._input[start], max(rebuilt, floor), self._forward[end] - self._forward[start])
@@ -329,15 +359,19 @@ class ChainCosts:
         return float(units * self.time_unit_s)
 
 
-def peak_of_costs(costs: Iterable[SegmentCost], in_flight: int, base_bytes: int) -> int:
+def peak_of_costs(costs: Iterable[SegmentCost], in_flight: int, base_bytes: int,
+                  backward_keeps_graph: bool = False) -> int:
     """The predicted peak of segments with these costs, in chain order (the
     module docstring's formula, term by term)."""
+    costs = list(costs)
+    total_held = sum(cost.held_bytes for cost in costs)
+    if backward_keeps_graph:
+        return base_bytes + in_flight * total_held + max(cost.transient_bytes for cost in costs)
     held_so_far = 0
     rebuilt_peak = 0
     for cost in costs:
         held_so_far += cost.held_bytes
         rebuilt_peak = max(rebuilt_peak, held_so_far + cost.transient_bytes)
-    total_held = held_so_far
     return base_bytes + max(in_flight * total_held, (in_flight - 1) * total_held + rebuilt_peak)
 
 
@@ -378,7 +412,7 @@ def predicted_peak_bytes(problem: StageProblem, segments: Sequence[Segment]) -> 
     validate_segments(problem, segments)
     chain = ChainCosts(problem)
     costs = [chain.cost(segment.start, segment.end, segment.decision) for segment in segments]
-    return peak_of_costs(costs, problem.in_flight, problem.base_bytes)
+    return peak_of_costs(costs, problem.in_flight, problem.base_bytes, problem.backward_keeps_graph)
 
 
 def recompute_seconds(problem: StageProblem, segments: Sequence[Segment]) -> float:

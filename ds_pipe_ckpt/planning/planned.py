@@ -82,6 +82,10 @@ def plan_table(planned: PlannedStage) -> str:
         f"(of which {problem.base_bytes / MIB:.2f} MiB do not depend on the plan); recomputation "
         f"{plan.recompute_s * 1e3:.2f} ms per micro-batch.",
     ]
+    if problem.backward_keeps_graph:
+        lines.append("The stage's backward keeps each micro-batch's graph to its end (DeepSpeed runs one backward "
+                     "per floating-point tensor the stage sends, with retain_graph=True): its stored activations "
+                     "are all held while any segment is rebuilt, and the plan counts them so.")
     if planned.step_start_bytes is not None:
         lines.append(f"The budget is max_memory_mb {(planned.budget_bytes + planned.step_start_bytes) / MIB:.2f} MiB "
                      f"less the {planned.step_start_bytes / MIB:.2f} MiB allocated when a step begins (parameters, "

@@ -13,7 +13,11 @@ observer hook (:class:`~ds_pipe_ckpt.region_call.RegionCall`), a
 * in the recomputation (run to the end, op by op through a dispatch mode): the
   bytes of the outputs selective checkpointing would keep (the save set of
   :mod:`ds_pipe_ckpt.selective`) and the share of the layer's op time those ops
-  take, which selective checkpointing does not recompute.
+  take, which selective checkpointing does not recompute; and whether the
+  backward running it keeps the graph (``retain_graph=True``: DeepSpeed's
+  engine does so for a stage that sends several floating-point tensors), in
+  which case stored activations are not freed until the micro-batch's
+  backward ends.
 
 On CUDA every timing is bracketed by device synchronisations (this
 micro-batch only).
@@ -33,7 +37,7 @@ from torch.utils._pytree import tree_leaves
 from ..hooks import TransparentHooks, top_hooks
 from .cost_model import LayerProfile
 
-__all__ = ["LayerMeter", "StorageLedger", "tensor_bytes"]
+__all__ = ["LayerMeter", "StorageLedger", "backward_keeps_graph", "tensor_bytes"]
 
 
 def _keep(tensor: Any) -> Any:
@@ -57,13 +61,28 @@ def tensor_bytes(values: Iterable[Any]) -> int:
     return total
 
 
+def backward_keeps_graph() -> bool | None:
+    """Inside a backward: whether it keeps the graph (``retain_graph=True``).
+    None outside a backward, and where this torch has no way to tell."""
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    if query is None or task is None or task() == -1:
+        return None
+    return bool(query())
+
+
 class StorageLedger:
     """The storages already accounted for on a stage: each saved storage is
     charged to the first layer that saves it.
 
     A storage is recognised by its address only while a tensor charged for it
     is alive: inside checkpointed regions intermediate tensors are freed as
-    soon as they are used, and their addresses are reused by later ones.
+    soon as they are used, and their addresses are reused by later ones. A
+    view is remembered by its base, which owns the storage: a linear layer
+    saves a temporary view (``x.view(-1, d)``) of its input, which a
+    checkpoint does not keep; the next linear on the same input (Llama's q, k
+    and v projections) saves another view of the same storage, which stays
+    alive and must not be charged again.
     """
 
     def __init__(self, held: Iterable[torch.Tensor] = ()):
@@ -72,7 +91,8 @@ class StorageLedger:
             self._remember(tensor)
 
     def _remember(self, tensor: torch.Tensor) -> None:
-        self._alive.setdefault(tensor.untyped_storage().data_ptr(), []).append(weakref.ref(tensor))
+        owner = tensor if tensor._base is None else tensor._base
+        self._alive.setdefault(tensor.untyped_storage().data_ptr(), []).append(weakref.ref(owner))
 
     def _known(self, address: int) -> bool:
         refs = self._alive.get(address)
@@ -120,7 +140,8 @@ class LayerMeter:
     """The observer of one layer's region on the measurement micro-batch."""
 
     def __init__(self, name: str, ledger: StorageLedger, save_ops: frozenset, device: torch.device,
-                 first_layer: bool, checkpointable: bool = True):
+                 first_layer: bool, checkpointable: bool = True,
+                 before_recomputation: Callable[[], None] | None = None):
         self.name = name
         # A layer the pipeline may not checkpoint runs plainly (it is always stored):
         # only its forward is measured.
@@ -136,6 +157,8 @@ class LayerMeter:
         self.forward_s: float | None = None
         self.selective_saved_bytes: int | None = None
         self.selective_share: float | None = None  # of the op time, spent in save-set ops
+        self.backward_keeps_graph: bool | None = None  # None: not seen (or this torch cannot tell)
+        self.before_recomputation = before_recomputation  # called as the recomputation begins
 
     @property
     def complete(self) -> bool:
@@ -177,6 +200,9 @@ class LayerMeter:
     def recomputation(self, run: Callable[[tuple], Any], args: tuple) -> Any:
         if self.selective_share is not None:  # a second backward: measured already
             return run(args)
+        self.backward_keeps_graph = backward_keeps_graph()
+        if self.before_recomputation is not None:
+            self.before_recomputation()
         meter = _OpMeter(self.save_ops, self.device)
         with meter:
             out = run(args)

@@ -57,6 +57,10 @@ Algorithm
    Regions from one start are visited by increasing end; a state leaves the
    longer ones once it cannot fit or its ``t`` alone exceeds the threshold.
 
+A stage whose backward keeps the graph (``StageProblem.backward_keeps_graph``)
+has a simpler peak, ``k * H + max_j transient_j``, and its own exact search
+(:mod:`.kept_graph_solver`).
+
 Complexity: a pass of step 3 makes ``O(n^2 F)`` extensions, each checked
 against its position's front in ``O(log F)``, ``F`` the largest front; steps
 1 and 2 take ``O(n^2 F1)`` and ``O(n F2 log F2)`` for their 2-D fronts. The problem contains 0/1 knapsack (large
@@ -81,6 +85,7 @@ from operator import itemgetter
 from typing import Iterator, NamedTuple
 
 from .cost_model import ChainCosts, Decision, Segment, StageProblem
+from .kept_graph_solver import kept_graph_moves, least_kept_graph_peak, plan_kept_graph
 
 __all__ = ["StagePlan", "InfeasibleBudgetError", "plan_stage", "minimum_peak_bytes"]
 
@@ -508,6 +513,8 @@ def minimum_peak_bytes(problem: StageProblem) -> int:
     """The least predicted peak over every plan of the stage (base included),
     i.e. the smallest budget for which :func:`plan_stage` succeeds. Honours
     ``allow_selective``; ignores ``budget_bytes``."""
+    if problem.backward_keeps_graph:
+        return problem.base_bytes + least_kept_graph_peak(problem, kept_graph_moves(problem, ChainCosts(problem)))
     bounds = _suffix_bounds(problem, _moves(problem, ChainCosts(problem)))
     return problem.base_bytes + bounds.least_peak[0]
 
@@ -519,6 +526,8 @@ def plan_stage(problem: StageProblem) -> StagePlan:
     plan's predicted peak fits ``problem.budget_bytes``.
     """
     chain = ChainCosts(problem)
+    if problem.backward_keeps_graph:
+        return _plan_kept_graph(problem, chain)
     moves = _moves(problem, chain)
     bounds = _suffix_bounds(problem, moves)
     minimum = problem.base_bytes + bounds.least_peak[0]
@@ -530,6 +539,24 @@ def plan_stage(problem: StageProblem) -> StagePlan:
                      predicted_peak_bytes=problem.base_bytes + (problem.in_flight - 1) * held + peak,
                      recompute_s=chain.seconds(units),
                      held_bytes_per_micro_batch=held)
+
+
+def _plan_kept_graph(problem: StageProblem, chain: ChainCosts) -> StagePlan:
+    """:func:`plan_stage` for a backward that keeps the graph (:mod:`.kept_graph_solver`)."""
+    moves = kept_graph_moves(problem, chain)
+    with _cyclic_gc_paused():
+        plan = plan_kept_graph(problem, moves)
+    if plan is None:
+        raise InfeasibleBudgetError(problem.label, problem.budget_bytes,
+                                    problem.base_bytes + least_kept_graph_peak(problem, moves), problem.in_flight)
+    segments: list[Segment] = []
+    for move in plan.moves:
+        start = move.start
+        if move.decision is Decision.STORE and segments and segments[-1].decision is Decision.STORE:
+            start = segments.pop().start
+        segments.append(Segment(start, move.end, move.decision))
+    return StagePlan(segments=tuple(segments), predicted_peak_bytes=problem.base_bytes + plan.peak,
+                     recompute_s=chain.seconds(plan.units), held_bytes_per_micro_batch=plan.held)
 
 
 @contextmanager

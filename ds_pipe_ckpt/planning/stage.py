@@ -56,7 +56,7 @@ from .. import memory
 from ..errors import ConfigError
 from ..selective import ops_to_keep
 from ..settings import current_settings
-from .cost_model import Decision, LayerProfile, Segment, StageProblem, predicted_peak_bytes
+from .cost_model import ChainCosts, Decision, LayerProfile, Segment, StageProblem, predicted_peak_bytes
 from .profile import LayerMeter, StorageLedger, tensor_bytes
 from .planned import PlannedStage
 from .solver import InfeasibleBudgetError, plan_stage
@@ -64,6 +64,10 @@ from .solver import InfeasibleBudgetError, plan_stage
 __all__ = ["StagePlanner", "PlannedStage", "PlanPredictionWarning", "KnownBuffer", "PREDICTION_TOLERANCE"]
 
 PREDICTION_TOLERANCE = 0.10
+# The measuring step's marks on the last stage: its loss phase runs from the end of
+# the measured micro-batch's forward to that micro-batch's first recomputation.
+FORWARD_ENDS = "ds_pipe_ckpt: forward end"
+BACKWARD_BEGINS = "ds_pipe_ckpt: first recomputation"
 MIB = 2**20
 MAX_CALIBRATIONS = 2  # plans made again after a measured step that did not fit the prediction
 # Allocations too small for the model to place (the loss, its scalars, the engine's
@@ -99,10 +103,22 @@ class _Measurement:
     meters: list[LayerMeter]
     stage_input_bytes: int
     stage_output_bytes: int = 0
+    stage_float_outputs: int = 0  # floating-point tensors the stage sends on
 
     @property
     def complete(self) -> bool:
         return all(meter.complete for meter in self.meters)
+
+    def backward_keeps_graph(self, last_stage: bool) -> bool:
+        """Whether the stage's backward keeps each micro-batch's graph to its
+        end: as seen inside the recomputations, else (a torch that cannot tell)
+        as DeepSpeed's engine does it, for a stage other than the last that
+        sends several floating-point tensors (one ``backward`` per tensor, all
+        but the last with ``retain_graph=True``)."""
+        seen = [meter.backward_keeps_graph for meter in self.meters if meter.backward_keeps_graph is not None]
+        if seen:
+            return any(seen)
+        return not last_stage and self.stage_float_outputs > 1
 
 
 class StagePlanner:
@@ -136,6 +152,11 @@ class StagePlanner:
         self._step_begun = False  # module.train() began the step before its first forward
         self._measuring_step = False  # the tracked step is the measuring step, not a planned one
         self.measuring_step_peak_bytes: int | None = None  # the whole measuring step's peak
+        # The last stage: the measuring step's peak from the measured micro-batch's forward
+        # end to its first recomputation (the loss, its backward, the layers stored anyway),
+        # None where that was not seen
+        self.loss_phase_peak_bytes: int | None = None
+        self.backward_start_extra_bytes = 0  # what that phase showed beyond the model's k * H
         self.unmeasured: list[str] = []  # layers the measuring step could not measure (then no plan)
         self.calibrations = 0
         self.unmodelled_bytes = 0  # what measured steps showed beyond the model (>= 0)
@@ -190,7 +211,7 @@ class StagePlanner:
             ledger = StorageLedger(held)
             save_ops = frozenset(self._save_ops())
             meters = [LayerMeter(module.segment_label(i, i + 1), ledger, save_ops, self.device, first_layer=i == 0,
-                                 checkpointable=self._checkpointable(i))
+                                 checkpointable=self._checkpointable(i), before_recomputation=self._backward_begins)
                       for i in range(layers)]
             self.measurement = _Measurement(meters, stage_input_bytes=tensor_bytes(inputs))
             # Recomputations run to the end, so that the meters see every op.
@@ -204,8 +225,23 @@ class StagePlanner:
                 continue
             x = module.run_segment(x, i, i + 1, seed_offset, checkpointed=True, options=options, observer=meter)
         if measure:
-            self.measurement.stage_output_bytes = tensor_bytes(x if isinstance(x, tuple) else (x, ))
+            self._mark_once(FORWARD_ENDS)
+            outputs = x if isinstance(x, tuple) else (x, )
+            self.measurement.stage_output_bytes = tensor_bytes(outputs)
+            self.measurement.stage_float_outputs = sum(isinstance(t, torch.Tensor) and t.is_floating_point()
+                                                       for t in outputs)
         return x
+
+    def _mark_once(self, name: str) -> None:
+        """On the last stage, during the measuring step: mark ``name`` (once)."""
+        if (self.stage == self.num_stages - 1 and self._tracker is not None and self._measuring_step
+                and name not in self._tracker.mark_names):
+            self._tracker.mark(name)
+
+    def _backward_begins(self) -> None:
+        """The measured micro-batch's first recomputation is about to run."""
+        if self._tracker is not None and FORWARD_ENDS in self._tracker.mark_names:
+            self._mark_once(BACKWARD_BEGINS)
 
     def _checkpointable(self, layer: int) -> bool:
         """Whether the pipeline's ``checkpointable_layers`` lets layer ``layer`` be checkpointed."""
@@ -273,11 +309,14 @@ class StagePlanner:
             "checkpointing with PipelineModule(checkpointable_layers=[...])."), stacklevel=3)
 
     def _base_bytes(self) -> int:
-        """What does not depend on the plan: the engine's copies of the inputs and
-        outputs of the micro-batches in flight, plus one incoming and one outgoing
-        gradient."""
+        """What does not depend on the plan: the engine's copies of the inputs
+        and outputs of the micro-batches in flight, plus one incoming and one
+        outgoing gradient. The last stage's output (the logits) and its
+        gradient live only from its forward's end to the loss's backward: the
+        measuring step's loss phase shows them (``backward_start_bytes``)."""
         measured = self.measurement
-        return (self.in_flight + 1) * (measured.stage_input_bytes + measured.stage_output_bytes)
+        output = 0 if self.stage == self.num_stages - 1 else measured.stage_output_bytes
+        return (self.in_flight + 1) * (measured.stage_input_bytes + output)
 
     def _gradient_bytes_by_layer(self) -> list[int]:
         """Per local layer, the bytes of its parameters' gradients that each step
@@ -324,8 +363,10 @@ class StagePlanner:
         if self.micro_batches > self.in_flight:
             base += sum(layer.grad_bytes for layer in layers)
             layers = tuple(dataclasses.replace(layer, grad_bytes=0) for layer in layers)
+        keeps_graph = self.measurement.backward_keeps_graph(last_stage=self.stage == self.num_stages - 1)
         return StageProblem(layers=layers, in_flight=self.in_flight, budget_bytes=self.budget_bytes,
-                            base_bytes=base + self.unmodelled_bytes, label=f"pipeline stage {self.stage}")
+                            base_bytes=base + self.unmodelled_bytes, label=f"pipeline stage {self.stage}",
+                            backward_keeps_graph=keeps_graph, backward_start_bytes=self.backward_start_extra_bytes)
 
     def _measured_segments(self, problem: StageProblem) -> list[Segment]:
         """What the measuring step ran: every checkpointable layer its own
@@ -364,10 +405,23 @@ class StagePlanner:
             # measuring step's peak (inside a layer's recomputation) shows it there,
             # but a plan that moves its peak elsewhere (the start of the backward,
             # or a segment boundary after stored layers) meets one more of it.
-            modelled = predicted_peak_bytes(problem, self._measured_segments(problem))
+            #
+            # On the last stage, the loss phase (its logits, the loss and their
+            # gradients) is compared with the model's k * H term on its own, so that
+            # it is not charged to the rebuilds, which never meet it.
+            measured_segments = self._measured_segments(problem)
+            modelled = predicted_peak_bytes(problem, measured_segments)
             margin = max(SMALL_ALLOCATIONS_MIN_BYTES, int(SMALL_ALLOCATIONS_SHARE * self.measuring_step_peak_bytes))
-            self.unmodelled_bytes = (max(0, self.measuring_step_peak_bytes - modelled) + margin
-                                     + self._largest_boundary_bytes(problem))
+            rebuild_extra = max(0, self.measuring_step_peak_bytes - modelled)
+            start_extra = 0
+            if self.loss_phase_peak_bytes is not None:
+                held = sum(ChainCosts(problem).cost(s.start, s.end, s.decision).held_bytes for s in measured_segments)
+                # The measuring step's first micro-batch meets no parameter gradient yet
+                # (they come with its backward): compared with the engine's part of base.
+                start_extra = max(0, self.loss_phase_peak_bytes - (self._base_bytes() + self.in_flight * held))
+            boundary = self._largest_boundary_bytes(problem)  # the rebuilds' margin: not the start's
+            self.unmodelled_bytes = rebuild_extra + margin + boundary
+            self.backward_start_extra_bytes = max(0, start_extra - rebuild_extra - boundary)
             problem = self._problem()
         try:
             plan = plan_stage(problem)
@@ -391,22 +445,20 @@ class StagePlanner:
                             measuring_step_peak_bytes=self.measuring_step_peak_bytes)
 
     def _largest_boundary_bytes(self, problem: StageProblem) -> int:
-        """The largest tensor that crosses a layer boundary of this stage (its
-        input, a layer's input, its output): the size of an activation gradient
-        in flight between segments."""
-        measured = self.measurement
-        return max([measured.stage_input_bytes, measured.stage_output_bytes]
-                   + [layer.input_bytes for layer in problem.layers])
+        """The largest tensor that crosses a layer boundary inside this stage
+        (its input, a layer's input): the size of an activation gradient in
+        flight between segments. (The gradient of the stage's output comes
+        with the loss or from the next stage, at the backward's start, which
+        the measuring step's first phase shows.)"""
+        return max([self.measurement.stage_input_bytes] + [layer.input_bytes for layer in problem.layers])
 
     def floor(self, problem: StageProblem, minimum_bytes: int) -> str:
         """What the least feasible peak ``minimum_bytes`` is made of: the part
         the plan controls (the activations it keeps) and the part it does not,
         with the known big non-activation buffers named."""
-        measured = self.measurement
-        engine = (self.in_flight + 1) * (measured.stage_input_bytes + measured.stage_output_bytes)
+        engine = self._base_bytes()
         gradients = max(0, problem.base_bytes - engine - self.unmodelled_bytes)
-        parts = [f"{engine / MIB:.2f} MiB the engine's stage inputs and outputs ({self.in_flight} micro-batch(es) "
-                 "in flight, and their gradients)"]
+        parts = [f"{engine / MIB:.2f} MiB the engine's stage inputs ({self.in_flight} micro-batch(es) in flight)"]
         if gradients:
             parts.append(f"{gradients / MIB:.2f} MiB parameter gradients")
         if self.unmodelled_bytes:
@@ -416,8 +468,11 @@ class StagePlanner:
             parts.append(f"{self.unmodelled_bytes / MIB:.2f} MiB that the measured steps showed beyond the "
                          f"layers' activations (the backward's workspace, the engine's and the optimizer's buffers"
                          f"{known})")
+        start = (f" The end of the forwards also holds {problem.backward_start_bytes / MIB:.2f} MiB beyond the "
+                 "activations (the loss, the gradient of the stage's output), counted with them."
+                 if problem.backward_start_bytes else "")
         return (f"Of that, {(minimum_bytes - problem.base_bytes) / MIB:.2f} MiB is what the plan controls (the "
-                f"activations it keeps) and {problem.base_bytes / MIB:.2f} MiB is not: {', '.join(parts)}.")
+                f"activations it keeps) and {problem.base_bytes / MIB:.2f} MiB is not: {', '.join(parts)}.{start}")
 
     def _first_rank_of_stage(self) -> bool:
         grid = getattr(self.module, "_grid", None)
@@ -432,12 +487,14 @@ class StagePlanner:
     def _finish_tracking(self) -> None:
         self._step_end_hook.remove()
         self._tracking.__exit__(None, None, None)
-        measured = self._tracker.report.peak_bytes
-        self._tracker_start_bytes = self._tracker.report.start_bytes
+        report = self._tracker.report
+        measured = report.peak_bytes
+        self._tracker_start_bytes = report.start_bytes
         self._tracking = self._tracker = None
         if self._measuring_step:
             self._measuring_step = False
             self.measuring_step_peak_bytes = measured
+            self.loss_phase_peak_bytes = report.interval_peaks.get(BACKWARD_BEGINS)
             self.step_start_bytes = self._tracker_start_bytes
             return
         self._checked = True

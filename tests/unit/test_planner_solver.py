@@ -92,7 +92,10 @@ def segment_figures(problem: StageProblem, start: int, end: int, decision: Decis
     segment = layers[start:end]
     grads_after = [sum(p.grad_bytes for p in layers[l + 1:]) for l in range(len(layers))]
     saved = sum(profile.saved_bytes for profile in segment)
-    if decision is STORE:
+    if decision is STORE and problem.backward_keeps_graph:  # the segment's layers stay until the backward's end
+        transient = max(grads_after[l] for l in range(start, end))
+        held, recompute = saved, Fraction(0)
+    elif decision is STORE:
         transient = max(grads_after[l] - sum(p.saved_bytes for p in layers[l + 1:end]) for l in range(start, end))
         held, recompute = saved, Fraction(0)
     else:
@@ -106,7 +109,7 @@ def segment_figures(problem: StageProblem, start: int, end: int, decision: Decis
             held, transient = segment[0].input_bytes + selective, max(rebuilt - selective, 0)
             recompute = sum((Fraction(profile.selective_recompute_s) for profile in segment), Fraction(0))
     if end == len(layers):
-        transient = max(transient, problem.held_gradient_bytes)
+        transient = max(transient, problem.held_gradient_bytes, problem.backward_start_bytes)
     return held, transient, recompute
 
 
@@ -114,6 +117,8 @@ def evaluate(problem: StageProblem, plan, figures) -> Evaluated:
     held, transient, recompute = zip(*(figures[segment] for segment in plan))
     total = sum(held)
     k = problem.in_flight
+    if problem.backward_keeps_graph:  # every held byte stays while any segment is rebuilt
+        return Evaluated(sum(recompute, Fraction(0)), problem.base_bytes + k * total + max(transient), len(plan), plan)
     rebuilt = max(prefix + extra for prefix, extra in zip(accumulate(held), transient))
     peak = problem.base_bytes + max(k * total, (k - 1) * total + rebuilt)
     return Evaluated(sum(recompute, Fraction(0)), peak, len(plan), plan)
@@ -155,7 +160,8 @@ def chains(draw) -> StageProblem:
     held_gradients = draw(st.sampled_from([0, sum(layer.grad_bytes for layer in layers)]))
     return problem_of(layers, in_flight=draw(st.sampled_from([1, 2, 3, 4, 8, 16])), budget_bytes=0,
                       base_bytes=draw(st.integers(0, 4)), allow_selective=draw(st.booleans()), label="random",
-                      held_gradient_bytes=held_gradients)
+                      held_gradient_bytes=held_gradients, backward_keeps_graph=draw(st.booleans()),
+                      backward_start_bytes=draw(st.sampled_from([0, 0, 5, 30])))
 
 
 @settings(max_examples=250, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -166,7 +172,8 @@ def test_plan_is_optimal_against_exhaustive_search(chain, data):
     budget = data.draw(st.integers(max(0, least - 2), max(plan.peak for plan in plans) + 1), label="budget")
     problem = problem_of(chain.layers, chain.in_flight, budget, base_bytes=chain.base_bytes,
                          allow_selective=chain.allow_selective, label="random",
-                         held_gradient_bytes=chain.held_gradient_bytes)
+                         held_gradient_bytes=chain.held_gradient_bytes, backward_keeps_graph=chain.backward_keeps_graph,
+                         backward_start_bytes=chain.backward_start_bytes)
     assert minimum_peak_bytes(problem) == least
     feasible = [plan for plan in plans if plan.peak <= budget]
     if not feasible:
@@ -231,6 +238,39 @@ def test_layer_whose_input_exceeds_its_saved_bytes_is_never_checkpointed():
     assert minimum_peak_bytes(problem_of(layers, in_flight=2, budget_bytes=0)) == 28
     with pytest.raises(InfeasibleBudgetError):
         plan_stage(problem_of(layers, in_flight=2, budget_bytes=27))
+
+
+def test_a_backward_that_keeps_the_graph_holds_every_stored_layer_while_it_rebuilds():
+    """The chain above when the backward keeps the graph (DeepSpeed's engine,
+    for a stage sending several tensors): peak = k * H + max_j transient_j,
+    nothing stored is freed before the backward ends:
+
+    * store both:           H=24, T=0   -> 48, t=0
+    * C[0,1) + S[1,2):      H=6,  T=20  -> 32, t=1  (28 above: the stored L1 was freed)
+    * S[0,1) + C[1,2):      H=40, T=4   -> 84, t=1
+    * C[0,2):               H=2,  T=24  -> 28, t=2
+    * C[0,1) + C[1,2):      H=22, T=20  -> 64, t=2
+
+    At 28 only the single region fits; at 32 storing L1 does again.
+    """
+    layers = [layer("proj", 2, 20, 1.0), layer("pool", 20, 4, 1.0)]
+
+    def kept(budget):
+        return problem_of(layers, in_flight=2, budget_bytes=budget, backward_keeps_graph=True)
+
+    assert minimum_peak_bytes(kept(0)) == 28
+    plan = plan_stage(kept(28))
+    assert decisions(plan) == [(0, 2, CHECKPOINT)]
+    assert (plan.recompute_s, plan.predicted_peak_bytes, plan.held_bytes_per_micro_batch) == (2.0, 28, 2)
+    plan = plan_stage(kept(32))
+    assert decisions(plan) == [(0, 1, CHECKPOINT), (1, 2, STORE)]
+    assert (plan.recompute_s, plan.predicted_peak_bytes) == (1.0, 32)
+    assert predicted_peak_bytes(kept(0), [Segment(0, 2, STORE)]) == 48
+    with pytest.raises(InfeasibleBudgetError) as error:
+        plan_stage(kept(27))
+    assert error.value.minimum_bytes == 28
+    with pytest.raises(TypeError, match="backward_keeps_graph must be a bool"):
+        problem_of(layers, in_flight=2, budget_bytes=28, backward_keeps_graph=1)
 
 
 def test_homogeneous_chain_at_its_least_budget_is_four_segments_of_four():

@@ -401,3 +401,46 @@ def test_total_memory_budget_per_stage_and_auto_are_read():
     with pytest.raises(ConfigError, match=r"max_memory_mb = \[2048, 1024\] is invalid: expected one number, or a "
                                           r"list of 3"):
         config.max_memory_bytes(0, 3)
+
+
+@pytest.mark.parametrize("retain_graph", [False, True])
+def test_the_recomputation_sees_whether_the_backward_keeps_the_graph(retain_graph):
+    """DeepSpeed's engine runs ``backward(retain_graph=True)`` per tensor a stage
+    sends: the planner learns that inside the recomputation, where it must
+    count every stored activation as held to the backward's end."""
+    from ds_pipe_ckpt.planning.profile import backward_keeps_graph
+
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(backward_keeps_graph())
+            return grad * 2
+
+    x = torch.ones(3, requires_grad=True)
+    Probe.apply(x).sum().backward(retain_graph=retain_graph)
+    assert seen == [retain_graph]
+    assert backward_keeps_graph() is None  # outside any backward: nothing to tell
+
+
+def test_a_storage_saved_through_views_that_die_is_charged_once():
+    """A linear layer saves ``x.view(-1, d)``, a view made inside it. Inside a
+    checkpoint nothing keeps that view, but ``x`` lives on: the next linear on
+    ``x`` (Llama's q, k and v projections) saves a view of the same storage,
+    which a stored layer would hold once. (Charged three times, Llama's decoder
+    layer measured 9.52 MiB saved where it holds 8.02.)"""
+    from ds_pipe_ckpt.planning.profile import StorageLedger
+
+    ledger = StorageLedger()
+    x = torch.randn(4, 8, 16)
+    charged = [ledger.charge(x.view(-1, 16)) for _ in range(3)]  # each view dies at once
+    assert charged == [x.numel() * 4, 0, 0]
+    other = torch.randn(4, 8, 16)
+    assert ledger.charge(other) == other.numel() * 4
+    del x  # its storage is freed: an address reused later is a new storage
+    assert ledger.charge(torch.randn(4, 8, 16)) == 4 * 8 * 16 * 4
