@@ -458,7 +458,9 @@ class StagePlanner:
         with the known big non-activation buffers named."""
         engine = self._base_bytes()
         gradients = max(0, problem.base_bytes - engine - self.unmodelled_bytes)
-        parts = [f"{engine / MIB:.2f} MiB the engine's stage inputs ({self.in_flight} micro-batch(es) in flight)"]
+        held = "inputs" if self.stage == self.num_stages - 1 else "inputs and outputs"
+        parts = [f"{engine / MIB:.2f} MiB the engine's stage {held} ({self.in_flight} micro-batch(es) in flight, "
+                 "and their gradients)"]
         if gradients:
             parts.append(f"{gradients / MIB:.2f} MiB parameter gradients")
         if self.unmodelled_bytes:
