@@ -16,12 +16,14 @@ from .errors import ConfigError, InPlaceInputError, RecomputeMismatchError, Reen
 from .initialize import initialize
 from .placement.runtime import profile_records, reset
 from .pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from .planning.planned_partition import PartitionPlanning
 from .settings import CheckpointingSettings, configure, current_settings
 
 __all__ = [
     "PipelineModule",
     "LayerSpec",
     "TiedLayerSpec",
+    "PartitionPlanning",
     "checkpoint",
     "configure",
     "current_settings",

@@ -82,6 +82,12 @@ class PipelineModule(_DSPipelineModule):
     * Any other callable passed as ``activation_checkpoint_func`` is called as
       ``func(run_segment, *inputs)``, as upstream does.
     * Invalid arguments raise :class:`~ds_pipe_ckpt.ConfigError` instead of asserting.
+    * ``partition_method="planned"`` with ``partition_planning=``
+      :class:`~ds_pipe_ckpt.PartitionPlanning`: the stage boundaries are chosen
+      together with each stage's checkpointing plan, for the least modelled 1F1B
+      step time within each stage's budget, from a profile of the layer list
+      (:mod:`ds_pipe_ckpt.planning.planned_partition`); the cut is
+      ``partition_plan``.
     """
 
     def __init__(self,
@@ -96,8 +102,17 @@ class PipelineModule(_DSPipelineModule):
                  activation_checkpoint_interval: int = 0,
                  activation_checkpoint_func: Callable[..., Any] = ds_checkpointing.checkpoint,
                  checkpointable_layers: Sequence[str] | None = None,
-                 dynamic_shape: bool = False):
+                 dynamic_shape: bool = False,
+                 partition_planning: Any = None):
         validate_interval("activation_checkpoint_interval", activation_checkpoint_interval)
+        if isinstance(partition_method, str) and partition_method.lower() == "planned" and partition_planning is None:
+            raise ConfigError("partition_method", partition_method,
+                              "a DeepSpeed method, or \"planned\" with partition_planning=PartitionPlanning(...)",
+                              "The planned cut needs the stages' budgets, the micro-batches per step and a "
+                              "sample micro-batch (ds_pipe_ckpt.planning.planned_partition.PartitionPlanning).")
+        # Read by _partition_layers, which DeepSpeed's __init__ calls.
+        self.__dict__["_partition_planning"] = partition_planning
+        self.__dict__["partition_plan"] = None
         _require_checkpoint_func(activation_checkpoint_func)
         if checkpointable_layers is not None:
             if isinstance(checkpointable_layers, str) or not all(
@@ -118,6 +133,25 @@ class PipelineModule(_DSPipelineModule):
                          activation_checkpoint_func=activation_checkpoint_func,
                          checkpointable_layers=checkpointable_layers,
                          dynamic_shape=dynamic_shape)
+
+    def _partition_layers(self, method: str = "uniform") -> None:
+        """DeepSpeed's partitioning, plus ``"planned"``: the stage boundaries
+        chosen with each stage's checkpointing plan
+        (:mod:`ds_pipe_ckpt.planning.planned_partition`), exposed as
+        ``partition_plan`` and printed on the first rank."""
+        if method.lower() != "planned":
+            return super()._partition_layers(method)
+        from .planning.layer_profiling import spec_name
+        from .planning.planned_partition import partition_table, planned_partition
+
+        names = [spec_name(spec) for spec in self._layer_specs]
+        plan, _, note = planned_partition(self._layer_specs, names, self.num_stages, self._partition_planning)
+        self.__dict__["partition_plan"] = plan
+        self.parts = list(plan.boundaries)
+        if self.global_rank == 0:
+            print(partition_table(plan, names, note), flush=True)
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
     def _synchronize_tied_weights(self) -> None:
         """Upstream's broadcast of each tied weight from its first stage, without
@@ -312,3 +346,4 @@ class PipelineModule(_DSPipelineModule):
             x = self.run_segment(x, start, min(start + interval, num_layers), seed_offset,
                                  checkpointed=self.is_checkpointable_results[segment])
         return x
+

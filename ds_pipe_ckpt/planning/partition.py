@@ -22,7 +22,9 @@ time wins, then the one whose slowest stage is fastest, then the earliest
 boundaries.
 
 Each stage's problem is the per-stage planner's: the stage's first layer
-keeps no input of its own (the engine holds the stage input), and what does
+keeps nothing of its input, stored or checkpointed (the engine holds the
+stage input, and ``input_saved_bytes`` of its saved bytes are that input),
+and what does
 not depend on the plan (``base``) is the engine's copies of the stage's
 inputs and outputs for the micro-batches in flight plus one incoming and one
 outgoing gradient, ``(k_s + 1) * (x_a + x_b)``, the gradients of its
@@ -113,8 +115,13 @@ class PartitionProblem:
         """The per-stage planner's problem for ``stage`` covering layers ``[start, end)``."""
         k = self.in_flight(stage)
         layers = list(self.layers[start:end])
-        # The engine holds the stage input whatever the plan.
-        layers[0] = dataclasses.replace(layers[0], input_bytes=0, input_saved_bytes=0)
+        # The engine holds the stage input whatever the plan: the first layer keeps
+        # nothing of it, stored or checkpointed.
+        first = layers[0]
+        saved = first.saved_bytes - first.input_saved_bytes
+        selective = None if first.selective_saved_bytes is None else min(first.selective_saved_bytes, saved)
+        layers[0] = dataclasses.replace(first, input_bytes=0, input_saved_bytes=0, saved_bytes=saved,
+                                        selective_saved_bytes=selective)
         base = (k + 1) * (self.boundary_bytes(start) + self.boundary_bytes(end)) + self.extra_bytes[stage]
         if self.micro_batches > k:  # 1F1B's steady state runs with every gradient allocated
             base += sum(layer.grad_bytes for layer in layers)
