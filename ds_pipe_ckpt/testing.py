@@ -27,7 +27,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-__all__ = ["RankFailure", "LaunchFailure", "free_port", "run_ranks", "deepspeed_launch", "rank_logs"]
+__all__ = ["RankFailure", "LaunchFailure", "free_port", "run_ranks", "deepspeed_launch", "rank_logs", "remove_shm_buffers"]
 
 
 class RankFailure(RuntimeError):
@@ -96,6 +96,22 @@ def _later_errors(results: Any, wait: float) -> str:
     return "".join(reports)
 
 
+def remove_shm_buffers(port: int, directory: str | os.PathLike = "/dev/shm") -> int:
+    """Remove the shared-memory all-reduce buffers that DeepSpeed's CPU
+    communication (``deepspeed/ops/csrc/cpu/comm/shm.cpp``) creates per rank,
+    named by the master address and ``port``, and never unlinks: 66 MiB each,
+    in RAM, outliving their processes (a full test run left about 3 GiB).
+    Call once the ranks of that port are gone. Returns how many were removed."""
+    removed = 0
+    for path in Path(directory).glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+        try:
+            path.unlink()
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300,
               backend: str = "gloo", env: dict | None = None, threads: int = 1) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` local ranks; return their results in rank order.
@@ -150,6 +166,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             if process.is_alive():
                 process.kill()
                 process.join()
+        remove_shm_buffers(port)
     if failure is not None:
         raise RankFailure(f"{getattr(fn, '__qualname__', fn)}: {failure}")
     import torch
@@ -210,7 +227,8 @@ def deepspeed_launch(script: str | os.PathLike, num_ranks: int, script_args: Seq
             rank(s) that raised and shows the end of their logs.
     """
     deepspeed = Path(sys.executable).with_name("deepspeed")
-    command = [str(deepspeed), "--num_gpus", str(num_ranks), "--master_port", str(free_port()),
+    port = free_port()
+    command = [str(deepspeed), "--num_gpus", str(num_ranks), "--master_port", str(port),
                "--enable_each_rank_log", str(log_dir), str(script), *script_args]
     env = {"DS_ACCELERATOR": "cpu", **os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     start = time.monotonic()
@@ -225,6 +243,8 @@ def deepspeed_launch(script: str | os.PathLike, num_ranks: int, script_args: Seq
         output, _ = process.communicate()
         raise LaunchFailure(_failure_report(f"{' '.join(command)}\ntimed out after {timeout:.0f} s",
                                             output, Path(log_dir))) from None
+    finally:
+        remove_shm_buffers(port)
     if process.returncode != 0:
         raise LaunchFailure(_failure_report(
             f"{' '.join(command)}\nexited with code {process.returncode} after {time.monotonic() - start:.0f} s",

@@ -48,3 +48,17 @@ def test_a_rank_that_hangs_is_named_after_the_timeout():
     with pytest.raises(RankFailure, match=r"timed out after 60 s; rank\(s\) \[0\] did not finish"):
         run_ranks(sleep_on_rank_zero, 2, timeout=60)
     assert time.monotonic() - start < 120  # the hanging rank is killed, not waited for
+
+
+def test_deepspeeds_shared_memory_buffers_of_a_port_are_removed(tmp_path):
+    """DeepSpeed's CPU all-reduce leaves a 66 MiB /dev/shm file per rank
+    (``deepspeed_allreduce_buffer_<n>_<addr>_<port>_<rank>``); only those of
+    the given port go."""
+    from ds_pipe_ckpt.testing import remove_shm_buffers
+
+    ours = [tmp_path / f"deepspeed_allreduce_buffer_0_127.0.0.1_29611_{rank}" for rank in range(3)]
+    others = [tmp_path / "deepspeed_allreduce_buffer_0_127.0.0.1_29612_0", tmp_path / "unrelated_29611_0"]
+    for path in ours + others:
+        path.write_bytes(b"x")
+    assert remove_shm_buffers(29611, tmp_path) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in others)
