@@ -30,7 +30,7 @@ from deepspeed.pipe import LayerSpec
 import ds_pipe_ckpt
 from examples.gpt.data import Corpus, micro_batches
 from examples.gpt.engine import build_engine as build_gpt_engine
-from examples.gpt.model import GPTConfig
+from examples.gpt.model import GPTConfig, check_sizes
 from examples.llama.engine import build_engine as build_llama_engine
 from examples.llama.model import small_config
 from examples.sampling import GlobalBatchSampler
@@ -39,19 +39,6 @@ __all__ = ["EncoderConfig", "LlamaSizes", "MODEL_NAMES", "model_name", "model_de
            "blocks_of"]
 
 MODEL_NAMES = ("gpt", "llama", "encoder")
-
-
-def _check_sizes(sizes: Any, names: tuple[str, ...]) -> None:
-    """Raises ValueError naming the field unless every one of ``names`` is a
-    positive int and ``dim`` is a multiple of ``heads``."""
-    owner = type(sizes).__name__
-    for name in names:
-        value = getattr(sizes, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{owner}.{name} = {value!r} is invalid: expected a positive integer")
-    if sizes.dim % sizes.heads:
-        raise ValueError(f"{owner}.dim = {sizes.dim} is not divisible by heads = {sizes.heads}; "
-                         "choose dim as a multiple of heads")
 
 
 @dataclass(frozen=True)
@@ -76,7 +63,7 @@ class EncoderConfig:
     classes: int = 10
 
     def __post_init__(self):
-        _check_sizes(self, ("dim", "heads", "blocks", "context", "features", "classes"))
+        check_sizes(self, ("dim", "heads", "blocks", "context", "features", "classes"))
         if self.classes > self.features:
             raise ValueError(f"EncoderConfig.classes = {self.classes} > features = {self.features}: a sample's "
                              "label is the argmax of its first `classes` features")
@@ -100,7 +87,7 @@ class LlamaSizes:
     context: int = 128
 
     def __post_init__(self):
-        _check_sizes(self, ("dim", "heads", "blocks", "context"))
+        check_sizes(self, ("dim", "heads", "blocks", "context"))
 
     def config(self):
         """The ``LlamaConfig``: the Llama example's small config at these sizes

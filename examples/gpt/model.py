@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -36,6 +37,7 @@ from ds_pipe_ckpt import LayerSpec, TiedLayerSpec
 
 __all__ = [
     "GPTConfig",
+    "check_sizes",
     "TokenEmbedding",
     "PositionEmbedding",
     "Block",
@@ -54,6 +56,20 @@ EMBED_KEY = "embed"
 CHECKPOINTABLE_LAYERS = ("Block",)
 # GPT-2's initialisation: weights N(0, 0.02); residual projections scaled by 1/sqrt(2 * blocks).
 _INIT_STD = 0.02
+
+
+def check_sizes(sizes: Any, names: tuple[str, ...]) -> None:
+    """Raises ValueError naming the field unless every one of ``names`` is a
+    positive int and ``dim`` is a multiple of ``heads`` (for any sizes
+    dataclass with those fields: this model's, the benchmarks' others)."""
+    owner = type(sizes).__name__
+    for name in names:
+        value = getattr(sizes, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{owner}.{name} = {value!r} is invalid: expected a positive integer")
+    if sizes.dim % sizes.heads:
+        raise ValueError(f"{owner}.dim = {sizes.dim} is not divisible by heads = {sizes.heads}; "
+                         "choose dim as a multiple of heads")
 
 
 @dataclass(frozen=True)
@@ -77,13 +93,7 @@ class GPTConfig:
     dropout: float = 0.1
 
     def __post_init__(self):
-        for name in ("vocab_size", "context", "dim", "heads", "blocks"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{name} = {value!r} is invalid: expected a positive integer")
-        if self.dim % self.heads:
-            raise ValueError(f"GPTConfig.dim = {self.dim} is not divisible by heads = {self.heads}; "
-                             "choose dim as a multiple of heads")
+        check_sizes(self, ("vocab_size", "context", "dim", "heads", "blocks"))
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout = {self.dropout!r} is invalid: expected 0 <= dropout < 1")
 
