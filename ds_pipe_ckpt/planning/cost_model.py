@@ -96,6 +96,7 @@ addition. :func:`recompute_seconds` is that exact sum rounded once to a float.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass
@@ -112,6 +113,8 @@ __all__ = [
     "ChainCosts",
     "peak_of_costs",
     "validate_segments",
+    "merged_segments",
+    "gradients_as_base",
     "predicted_peak_bytes",
     "recompute_seconds",
 ]
@@ -373,6 +376,31 @@ def peak_of_costs(costs: Iterable[SegmentCost], in_flight: int, base_bytes: int,
         held_so_far += cost.held_bytes
         rebuilt_peak = max(rebuilt_peak, held_so_far + cost.transient_bytes)
     return base_bytes + max(in_flight * total_held, (in_flight - 1) * total_held + rebuilt_peak)
+
+
+def gradients_as_base(layers: Sequence[LayerProfile], in_flight: int,
+                      micro_batches: int) -> tuple[tuple[LayerProfile, ...], int]:
+    """The layers, and the gradient bytes to count in ``base``. With more
+    micro-batches than in flight, a stage's later forwards and backwards
+    (1F1B's steady state) run with every parameter gradient allocated and
+    ``k - 1`` other micro-batches held: the gradients are as good as base then
+    (returned as bytes, the layers' ``grad_bytes`` set to 0). Otherwise each
+    backward allocates them as it goes: the layers are returned as they are."""
+    if micro_batches <= in_flight:
+        return tuple(layers), 0
+    return (tuple(dataclasses.replace(layer, grad_bytes=0) for layer in layers),
+            sum(layer.grad_bytes for layer in layers))
+
+
+def merged_segments(steps: Iterable[tuple[int, int, Decision]]) -> tuple[Segment, ...]:
+    """The plan made of ``(start, end, decision)`` steps in chain order, with
+    adjacent STORE steps merged into one segment (they are one and the same)."""
+    segments: list[Segment] = []
+    for start, end, decision in steps:
+        if decision is Decision.STORE and segments and segments[-1].decision is Decision.STORE:
+            start = segments.pop().start
+        segments.append(Segment(start, end, decision))
+    return tuple(segments)
 
 
 def validate_segments(problem: StageProblem, segments: Sequence[Segment]) -> None:

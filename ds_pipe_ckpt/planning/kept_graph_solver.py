@@ -24,9 +24,9 @@ from __future__ import annotations
 from bisect import bisect_right
 from typing import Iterable, NamedTuple
 
-from .cost_model import ChainCosts, Decision, StageProblem
+from .cost_model import Decision, StageProblem, merged_segments
 
-__all__ = ["KeptGraphMove", "kept_graph_moves", "least_kept_graph_peak", "plan_kept_graph"]
+__all__ = ["KeptGraphMove", "KeptGraphPlan", "least_kept_graph_peak", "plan_kept_graph"]
 
 
 class KeptGraphMove(NamedTuple):
@@ -38,29 +38,6 @@ class KeptGraphMove(NamedTuple):
     transient: int
     units: int
     decision: Decision
-
-
-def kept_graph_moves(problem: StageProblem, chain: ChainCosts) -> list[list[KeptGraphMove]]:
-    """Per start, every segment a plan may place there: the one-layer STORE
-    (adjacent ones merge), and the CHECKPOINT and (where allowed and available)
-    SELECTIVE regions."""
-    n = problem.num_layers
-    moves: list[list[KeptGraphMove]] = []
-    for start in range(n):
-        decisions = [(start + 1, Decision.STORE)]
-        for end in range(start + 1, n + 1):
-            if not chain.checkpoint_available(start, end):
-                break
-            decisions.append((end, Decision.CHECKPOINT))
-            if problem.allow_selective and chain.selective_available(start, end):
-                decisions.append((end, Decision.SELECTIVE))
-        here = []
-        for end, decision in decisions:
-            cost = chain.cost(start, end, decision)
-            here.append(KeptGraphMove(start, end, cost.held_bytes, cost.transient_bytes, cost.recompute_units,
-                                      decision))
-        moves.append(here)
-    return moves
 
 
 class KeptGraphPlan(NamedTuple):
@@ -157,15 +134,17 @@ def least_kept_graph_peak(problem: StageProblem, moves: list[list[KeptGraphMove]
     return _least_peak_plan(problem, moves).peak
 
 
-def plan_kept_graph(problem: StageProblem, moves: list[list[KeptGraphMove]]) -> KeptGraphPlan | None:
-    """The optimal plan within the budget (module docstring), or None when none fits."""
+def plan_kept_graph(problem: StageProblem,
+                    moves: list[list[KeptGraphMove]]) -> tuple[KeptGraphPlan | None, int]:
+    """The optimal plan within the budget (module docstring), or None when
+    none fits; and the least ``k * H + T`` of any plan (base not included)."""
     k = problem.in_flight
     capacity = problem.budget_bytes - problem.base_bytes
     # The incumbent: a plan of least peak. Every search below keeps only states
     # that recompute no more than the best plan found.
     incumbent = _least_peak_plan(problem, moves)
     if incumbent.peak > capacity:
-        return None
+        return None, incumbent.peak
     best = (incumbent.units, incumbent.peak, _segment_count(incumbent.moves), incumbent)
     # The fastest plans of any transient: a lower bound on the recomputation of
     # a plan holding at most a given number of bytes.
@@ -188,14 +167,9 @@ def plan_kept_graph(problem: StageProblem, moves: list[list[KeptGraphMove]]) -> 
         key = (units, peak, _segment_count(path))
         if key < best[:3]:
             best = (*key, KeptGraphPlan(tuple(path), units, held, peak))
-    return best[3]
+    return best[3], incumbent.peak
 
 
 def _segment_count(path: Iterable[KeptGraphMove]) -> int:
     """Segments once adjacent STOREs merge."""
-    count, previous = 0, None
-    for move in path:
-        if not (move.decision is Decision.STORE and previous is Decision.STORE):
-            count += 1
-        previous = move.decision
-    return count
+    return len(merged_segments((move.start, move.end, move.decision) for move in path))

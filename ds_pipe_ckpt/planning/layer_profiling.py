@@ -35,12 +35,12 @@ import torch.nn as nn
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from ..checkpoint import checkpoint_region
-from ..regions import Region, RegionFacts
+from ..regions import Region, RegionFacts, modules_of
 from ..selective import ops_to_keep
 from ..settings import current_settings
 from .cost_model import LayerProfile
 from .partition import PartitionProblem
-from .profile import LayerMeter, StorageLedger, tensor_bytes
+from .profile import LayerMeter, StorageLedger, synchronize, tensor_bytes
 
 __all__ = ["LayerChainProfile", "profile_layer_specs", "spec_name", "TIMED_RUNS"]
 
@@ -62,11 +62,6 @@ class LayerChainProfile:
         return PartitionProblem(layers=self.layers, backward_s=self.backward_s, output_bytes=self.output_bytes,
                                 stages=stages, micro_batches=micro_batches, budget_bytes=tuple(budget_bytes),
                                 extra_bytes=tuple(extra_bytes), allow_selective=allow_selective)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _as_inputs(value: Any) -> tuple:
@@ -92,12 +87,6 @@ def _backward(output: Any, generator: torch.Generator) -> bool:
     grads = [torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t.device) for t in tensors]
     torch.autograd.backward(tensors, grads)
     return True
-
-
-def _modules_of(function: Any) -> list[nn.Module]:
-    if isinstance(function, nn.Module):
-        return [function]
-    return [a for a in getattr(function, "args", ()) if isinstance(a, nn.Module)]
 
 
 def profile_layer_specs(specs: Sequence[Any], sample: Any, *, device: torch.device | str | None = None,
@@ -127,19 +116,19 @@ def profile_layer_specs(specs: Sequence[Any], sample: Any, *, device: torch.devi
     for index, spec in enumerate(specs):
         function = _build(spec, tied, device)
         name = f"layer {index} ({spec_name(spec)})"
-        parameters = [p for m in _modules_of(function) for p in m.parameters() if p.requires_grad]
+        parameters = [p for m in modules_of(function) for p in m.parameters() if p.requires_grad]
         # Warm-up, then the timed plain runs: the least of TIMED_RUNS (noise only adds).
         _backward(_call(function, inputs, packed), generator)
         forward_s = backward_s = float("inf")
         for _ in range(TIMED_RUNS):
-            _synchronize(device)
+            synchronize(device)
             started = time.perf_counter()
             output = _call(function, inputs, packed)
-            _synchronize(device)
+            synchronize(device)
             forward_s = min(forward_s, time.perf_counter() - started)
             started = time.perf_counter()
             differentiable = _backward(output, generator)
-            _synchronize(device)
+            synchronize(device)
             backward_s = min(backward_s, time.perf_counter() - started) if differentiable else 0.0
         for p in parameters:
             p.grad = None
@@ -147,11 +136,11 @@ def profile_layer_specs(specs: Sequence[Any], sample: Any, *, device: torch.devi
         # Held whatever the plan: parameters and buffers. The input is not: it is the
         # previous layer's output, kept by this one where stored (the partition
         # takes that part out where a stage starts, as the engine holds it there).
-        held = [*(p for m in _modules_of(function) for p in m.parameters()),
-                *(b for m in _modules_of(function) for b in m.buffers())]
+        held = [*(p for m in modules_of(function) for p in m.parameters()),
+                *(b for m in modules_of(function) for b in m.buffers())]
         meter = LayerMeter(name, StorageLedger(held), save_ops, device, first_layer=False)
         flat = tuple(inputs)
-        region = Region(name, micro_batch=0, facts=RegionFacts(), modules=tuple(_modules_of(function)))
+        region = Region(name, micro_batch=0, facts=RegionFacts(), modules=tuple(modules_of(function)))
         checkpointed = checkpoint_region(lambda *args: _call(function, args, packed), flat, {}, region, options,
                                          observer=meter)
         _backward(checkpointed, generator)

@@ -46,7 +46,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from .cost_model import LayerProfile, StageProblem
+from .cost_model import LayerProfile, StageProblem, gradients_as_base
 from .solver import InfeasibleBudgetError, StagePlan, plan_stage
 
 __all__ = ["PartitionPlan", "PartitionProblem", "InfeasiblePartitionError", "plan_partition"]
@@ -122,11 +122,9 @@ class PartitionProblem:
         selective = None if first.selective_saved_bytes is None else min(first.selective_saved_bytes, saved)
         layers[0] = dataclasses.replace(first, input_bytes=0, input_saved_bytes=0, saved_bytes=saved,
                                         selective_saved_bytes=selective)
-        base = (k + 1) * (self.boundary_bytes(start) + self.boundary_bytes(end)) + self.extra_bytes[stage]
-        if self.micro_batches > k:  # 1F1B's steady state runs with every gradient allocated
-            base += sum(layer.grad_bytes for layer in layers)
-            layers = [dataclasses.replace(layer, grad_bytes=0) for layer in layers]
-        return StageProblem(layers=tuple(layers), in_flight=k, budget_bytes=self.budget_bytes[stage],
+        layers, gradients = gradients_as_base(layers, k, self.micro_batches)
+        base = (k + 1) * (self.boundary_bytes(start) + self.boundary_bytes(end)) + self.extra_bytes[stage] + gradients
+        return StageProblem(layers=layers, in_flight=k, budget_bytes=self.budget_bytes[stage],
                             base_bytes=base, label=f"stage {stage} (layers {start}-{end - 1})",
                             allow_selective=self.allow_selective)
 

@@ -37,14 +37,15 @@ from torch.utils._pytree import tree_leaves
 from ..hooks import TransparentHooks, top_hooks
 from .cost_model import LayerProfile
 
-__all__ = ["LayerMeter", "StorageLedger", "backward_keeps_graph", "tensor_bytes"]
+__all__ = ["LayerMeter", "StorageLedger", "backward_keeps_graph", "synchronize", "tensor_bytes"]
 
 
 def _keep(tensor: Any) -> Any:
     return tensor
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Waits for the device's queued work (CUDA), so that a timing covers it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -124,10 +125,10 @@ class _OpMeter(TorchDispatchMode):
         self.saved_bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        _synchronize(self.device)
+        synchronize(self.device)
         started = time.perf_counter()
         out = func(*args, **(kwargs or {}))
-        _synchronize(self.device)
+        synchronize(self.device)
         elapsed = time.perf_counter() - started
         self.total_s += elapsed
         if func in self.save_ops:
@@ -189,11 +190,11 @@ class LayerMeter:
                 self.input_saved_bytes += charged
             return pack_inner(tensor)
 
-        _synchronize(self.device)
+        synchronize(self.device)
         started = time.perf_counter()
         with TransparentHooks(pack, unpack_inner):
             out = run(args)
-        _synchronize(self.device)
+        synchronize(self.device)
         self.forward_s = time.perf_counter() - started
         return out
 

@@ -84,8 +84,8 @@ from itertools import takewhile
 from operator import itemgetter
 from typing import Iterator, NamedTuple
 
-from .cost_model import ChainCosts, Decision, Segment, StageProblem
-from .kept_graph_solver import kept_graph_moves, least_kept_graph_peak, plan_kept_graph
+from .cost_model import ChainCosts, Decision, Segment, StageProblem, merged_segments
+from .kept_graph_solver import KeptGraphMove, least_kept_graph_peak, plan_kept_graph
 
 __all__ = ["StagePlan", "InfeasibleBudgetError", "plan_stage", "minimum_peak_bytes"]
 
@@ -494,12 +494,7 @@ def _segments_of(node: tuple | None) -> tuple[Segment, ...]:
     while node is not None:
         node, start, end, decision = node
         steps.append((start, end, decision))
-    segments: list[Segment] = []
-    for start, end, decision in reversed(steps):
-        if decision is Decision.STORE and segments and segments[-1].decision is Decision.STORE:
-            start = segments.pop().start
-        segments.append(Segment(start, end, decision))
-    return tuple(segments)
+    return merged_segments(reversed(steps))
 
 
 def _next_threshold(first: int, current: int, least_dropped: int) -> int:
@@ -514,7 +509,7 @@ def minimum_peak_bytes(problem: StageProblem) -> int:
     i.e. the smallest budget for which :func:`plan_stage` succeeds. Honours
     ``allow_selective``; ignores ``budget_bytes``."""
     if problem.backward_keeps_graph:
-        return problem.base_bytes + least_kept_graph_peak(problem, kept_graph_moves(problem, ChainCosts(problem)))
+        return problem.base_bytes + least_kept_graph_peak(problem, _kept_graph_moves(problem, ChainCosts(problem)))
     bounds = _suffix_bounds(problem, _moves(problem, ChainCosts(problem)))
     return problem.base_bytes + bounds.least_peak[0]
 
@@ -541,22 +536,23 @@ def plan_stage(problem: StageProblem) -> StagePlan:
                      held_bytes_per_micro_batch=held)
 
 
+def _kept_graph_moves(problem: StageProblem, chain: ChainCosts) -> list[list[KeptGraphMove]]:
+    """:func:`_moves`, per start, in the form of :mod:`.kept_graph_solver`."""
+    moves = _moves(problem, chain)
+    return [[KeptGraphMove(start, move.end, move.held, move.rebuild - move.held, move.units, move.decision)
+             for move in moves.all_from(start)] for start in range(problem.num_layers)]
+
+
 def _plan_kept_graph(problem: StageProblem, chain: ChainCosts) -> StagePlan:
     """:func:`plan_stage` for a backward that keeps the graph (:mod:`.kept_graph_solver`)."""
-    moves = kept_graph_moves(problem, chain)
     with _cyclic_gc_paused():
-        plan = plan_kept_graph(problem, moves)
+        plan, least_peak = plan_kept_graph(problem, _kept_graph_moves(problem, chain))
     if plan is None:
-        raise InfeasibleBudgetError(problem.label, problem.budget_bytes,
-                                    problem.base_bytes + least_kept_graph_peak(problem, moves), problem.in_flight)
-    segments: list[Segment] = []
-    for move in plan.moves:
-        start = move.start
-        if move.decision is Decision.STORE and segments and segments[-1].decision is Decision.STORE:
-            start = segments.pop().start
-        segments.append(Segment(start, move.end, move.decision))
-    return StagePlan(segments=tuple(segments), predicted_peak_bytes=problem.base_bytes + plan.peak,
-                     recompute_s=chain.seconds(plan.units), held_bytes_per_micro_batch=plan.held)
+        raise InfeasibleBudgetError(problem.label, problem.budget_bytes, problem.base_bytes + least_peak,
+                                    problem.in_flight)
+    return StagePlan(segments=merged_segments((move.start, move.end, move.decision) for move in plan.moves),
+                     predicted_peak_bytes=problem.base_bytes + plan.peak, recompute_s=chain.seconds(plan.units),
+                     held_bytes_per_micro_batch=plan.held)
 
 
 @contextmanager

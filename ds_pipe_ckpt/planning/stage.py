@@ -56,7 +56,8 @@ from .. import memory
 from ..errors import ConfigError
 from ..selective import ops_to_keep
 from ..settings import current_settings
-from .cost_model import ChainCosts, Decision, LayerProfile, Segment, StageProblem, predicted_peak_bytes
+from .cost_model import (ChainCosts, Decision, LayerProfile, Segment, StageProblem, gradients_as_base,
+                         predicted_peak_bytes)
 from .profile import LayerMeter, StorageLedger, tensor_bytes
 from .planned import PlannedStage
 from .solver import InfeasibleBudgetError, plan_stage
@@ -355,14 +356,8 @@ class StagePlanner:
         layers: tuple[LayerProfile, ...] = tuple(
             dataclasses.replace(meter.profile(scale), grad_bytes=grads)
             for meter, grads in zip(self.measurement.meters, self._gradient_bytes_by_layer()))
-        # With more micro-batches than in flight, the stage's later forwards and
-        # backwards (1F1B's steady state) run with every gradient allocated and
-        # k - 1 other micro-batches held: the gradients are as good as base then.
-        # Otherwise each backward allocates them as it goes (LayerProfile.grad_bytes).
-        base = self._base_bytes()
-        if self.micro_batches > self.in_flight:
-            base += sum(layer.grad_bytes for layer in layers)
-            layers = tuple(dataclasses.replace(layer, grad_bytes=0) for layer in layers)
+        layers, gradients = gradients_as_base(layers, self.in_flight, self.micro_batches)
+        base = self._base_bytes() + gradients
         keeps_graph = self.measurement.backward_keeps_graph(last_stage=self.stage == self.num_stages - 1)
         return StageProblem(layers=layers, in_flight=self.in_flight, budget_bytes=self.budget_bytes,
                             base_bytes=base + self.unmodelled_bytes, label=f"pipeline stage {self.stage}",
