@@ -16,7 +16,7 @@ from .errors import ConfigError, InPlaceInputError, RecomputeMismatchError, Reen
 from .initialize import initialize
 from .placement.runtime import profile_records, reset
 from .pipe import LayerSpec, PipelineModule, TiedLayerSpec
-from .planning.planned_partition import PartitionPlanning
+from .planning.planned_partition import PartitionPlanning, partition_from_config
 from .settings import CheckpointingSettings, configure, current_settings
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "LayerSpec",
     "TiedLayerSpec",
     "PartitionPlanning",
+    "partition_from_config",
     "checkpoint",
     "configure",
     "current_settings",

@@ -59,6 +59,7 @@ def initialize(args: Any = None,
     checkpointing = CheckpointingConfig.from_ds_config(param_dict)
     if checkpointing.plans:
         _check_plannable(model, param_dict, checkpointing.budget_key)
+    _check_partition(model, param_dict)
     result = deepspeed.initialize(args=args,
                                   model=model,
                                   optimizer=optimizer,
@@ -101,6 +102,30 @@ def _known_buffers(engine: Any) -> tuple:
     return (KnownBuffer(f"ZeRO stage {stage}'s reduce bucket (zero_optimization.reduce_bucket_size = {elements} "
                         f"elements of {names})", size,
                         "a smaller zero_optimization.reduce_bucket_size lowers it, e.g. 5e7"),)
+
+
+def _check_partition(model: Any, param_dict: dict) -> None:
+    """``pipeline.partition_method`` and ``pipeline.partition_profile`` are read
+    when the module is built (``partition_from_config``): a config that names
+    a method the module was not cut with would otherwise be silently ignored."""
+    from .pipe import PipelineModule
+
+    pipeline = param_dict.get("pipeline") or {}
+    method = pipeline.get("partition_method")
+    if method is None:
+        if pipeline.get("partition_profile") is not None:
+            raise ConfigError("pipeline.partition_profile", pipeline["partition_profile"],
+                              "null unless pipeline.partition_method is \"planned\"",
+                              "Only the planned partition profiles the layers.")
+        return
+    built = model.__dict__.get("partition_method") if isinstance(model, PipelineModule) else None
+    if not isinstance(method, str) or built is None or built.lower() != method.lower():
+        raise ConfigError("pipeline.partition_method", method,
+                          f"the method the PipelineModule was cut with ({built!r})" if built is not None else
+                          "null unless the model is a ds_pipe_ckpt.PipelineModule",
+                          "DeepSpeed cuts the stages when the module is built, before this config is read: "
+                          "build it with ds_pipe_ckpt.partition_from_config(config, sample=..., labels=...), "
+                          "which reads this key.")
 
 
 def _check_plannable(model: Any, param_dict: dict, key: str) -> None:

@@ -87,7 +87,9 @@ class PipelineModule(_DSPipelineModule):
       together with each stage's checkpointing plan, for the least modelled 1F1B
       step time within each stage's budget, from a profile of the layer list
       (:mod:`ds_pipe_ckpt.planning.planned_partition`); the cut is
-      ``partition_plan``.
+      ``partition_plan`` (and where its profile came from, ``partition_profile_source``).
+      ``PartitionPlanning.from_config(ds_config, sample, labels)``
+      reads the budget, micro-batches and profile path from the DeepSpeed JSON config.
     """
 
     def __init__(self,
@@ -113,6 +115,8 @@ class PipelineModule(_DSPipelineModule):
         # Read by _partition_layers, which DeepSpeed's __init__ calls.
         self.__dict__["_partition_planning"] = partition_planning
         self.__dict__["partition_plan"] = None
+        self.__dict__["partition_profile_source"] = None
+        self.__dict__["partition_method"] = partition_method  # checked against the JSON config's
         _require_checkpoint_func(activation_checkpoint_func)
         if checkpointable_layers is not None:
             if isinstance(checkpointable_layers, str) or not all(
@@ -145,8 +149,10 @@ class PipelineModule(_DSPipelineModule):
         from .planning.planned_partition import partition_table, planned_partition
 
         names = [spec_name(spec) for spec in self._layer_specs]
-        plan, _, note = planned_partition(self._layer_specs, names, self.num_stages, self._partition_planning)
+        plan, _, note = planned_partition(self._layer_specs, names, self.num_stages, self._partition_planning,
+                                          loss_fn=self.loss_fn)
         self.__dict__["partition_plan"] = plan
+        self.__dict__["partition_profile_source"] = note
         self.parts = list(plan.boundaries)
         if self.global_rank == 0:
             print(partition_table(plan, names, note), flush=True)

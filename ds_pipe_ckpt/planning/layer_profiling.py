@@ -21,6 +21,12 @@ model never needs to fit. Per layer:
 A tied module (``TiedLayerSpec``) is built once and its gradient counted at
 each use: a stage holding one use holds the whole parameter and gradient;
 two uses on one stage are counted twice (an upper bound).
+
+Given the pipeline's ``loss_fn`` and a micro-batch's labels, the loss is
+measured too, as the last stage runs it on the last layer's output: its
+forward and backward time, and what it saves for its backward beyond its
+input (a cross-entropy's log-probabilities: as large as the logits, which
+for a large vocabulary is more than a transformer layer saves).
 """
 
 from __future__ import annotations
@@ -55,13 +61,16 @@ class LayerChainProfile:
     layers: tuple[LayerProfile, ...]
     backward_s: tuple[float, ...]
     output_bytes: int
+    loss_s: float = 0.0
+    loss_saved_bytes: int = 0
 
     def partition_problem(self, stages: int, micro_batches: int, budget_bytes: Sequence[int],
                           extra_bytes: Sequence[int] = (), allow_selective: bool = True) -> PartitionProblem:
         """The stage-boundary problem of this chain (:class:`~.partition.PartitionProblem`)."""
         return PartitionProblem(layers=self.layers, backward_s=self.backward_s, output_bytes=self.output_bytes,
                                 stages=stages, micro_batches=micro_batches, budget_bytes=tuple(budget_bytes),
-                                extra_bytes=tuple(extra_bytes), allow_selective=allow_selective)
+                                extra_bytes=tuple(extra_bytes), allow_selective=allow_selective,
+                                loss_s=self.loss_s, loss_saved_bytes=self.loss_saved_bytes)
 
 
 def _as_inputs(value: Any) -> tuple:
@@ -90,11 +99,13 @@ def _backward(output: Any, generator: torch.Generator) -> bool:
 
 
 def profile_layer_specs(specs: Sequence[Any], sample: Any, *, device: torch.device | str | None = None,
-                        seed: int = 0) -> LayerChainProfile:
+                        seed: int = 0, loss_fn: Callable[..., Any] | None = None,
+                        labels: Any = None) -> LayerChainProfile:
     """Measure every layer of ``specs`` (a ``PipelineModule`` layer list) on
     ``sample`` (the first layer's input: a tensor or a tuple, as the data
     loader gives it to the first stage), one layer at a time on ``device``
-    (default: the sample's). See the module docstring.
+    (default: the sample's), and ``loss_fn(output, labels)`` after the last
+    layer when both are given. See the module docstring.
 
     Raises:
         ValueError: no layers, or a layer whose output does not require grad
@@ -163,8 +174,49 @@ def profile_layer_specs(specs: Sequence[Any], sample: Any, *, device: torch.devi
         packed = isinstance(output, tuple)
         inputs = _as_inputs(output)
         del output, checkpointed, function, meter
+    loss_s, loss_saved = 0.0, 0
+    if loss_fn is not None and labels is not None:
+        loss_s, loss_saved = _profile_loss(loss_fn, inputs if packed else inputs[0], labels, device)
     return LayerChainProfile(layers=tuple(profiles), backward_s=tuple(backward_times),
-                             output_bytes=tensor_bytes(inputs))
+                             output_bytes=tensor_bytes(inputs), loss_s=loss_s, loss_saved_bytes=loss_saved)
+
+
+def _profile_loss(loss_fn: Callable[..., Any], output: Any, labels: Any, device: torch.device) -> tuple[float, int]:
+    """The loss's forward + backward time (the least of TIMED_RUNS after a
+    warm-up) and the bytes it saves for its backward beyond its input and
+    labels.
+
+    Raises:
+        ValueError: the loss is not a tensor that requires grad.
+    """
+    labels = tuple(v.to(device) if isinstance(v, torch.Tensor) else v
+                   for v in (labels if isinstance(labels, tuple) else (labels, )))
+    labels = labels if len(labels) > 1 else labels[0]
+    outputs = output if isinstance(output, tuple) else (output, )
+    ledger = StorageLedger([t for t in (*outputs, *(labels if isinstance(labels, tuple) else (labels, )))
+                            if isinstance(t, torch.Tensor)])
+    saved = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal saved
+        saved += ledger.charge(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = loss_fn(output, labels)
+    if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+        raise ValueError(f"profile_layer_specs: the loss function returned {type(loss).__name__}"
+                         f"{'' if not isinstance(loss, torch.Tensor) else ' that does not require grad'}; "
+                         "the pipeline's loss_fn must return a tensor to backward from")
+    loss.backward()
+    seconds = float("inf")
+    for _ in range(TIMED_RUNS):
+        synchronize(device)
+        started = time.perf_counter()
+        loss_fn(output, labels).backward()
+        synchronize(device)
+        seconds = min(seconds, time.perf_counter() - started)
+    return seconds, saved
 
 
 def _build(spec: Any, tied: dict[str, nn.Module], device: torch.device) -> Callable[[Any], Any]:

@@ -10,6 +10,7 @@ per step) and gets the least-recomputation plan within its budget
 (:func:`~.solver.plan_stage`). Its time per micro-batch is
 
     t_s = sum over its layers of (forward + backward) + its plan's recomputation
+          (+ the loss's forward and backward on the last stage)
 
 and the step's time under 1F1B is modelled as one micro-batch through every
 stage (the fill and the drain) plus ``m - 1`` more at the pace of the
@@ -29,8 +30,15 @@ not depend on the plan (``base``) is the engine's copies of the stage's
 inputs and outputs for the micro-batches in flight plus one incoming and one
 outgoing gradient, ``(k_s + 1) * (x_a + x_b)``, the gradients of its
 parameters where they are held through the step (more micro-batches than in
-flight), and ``extra_bytes[s]`` (a margin the caller knows, e.g. what a
-measured step showed beyond the model).
+flight), the per-stage planner's two margins (``planner_margins``: one
+activation gradient in flight between its layers, the largest tensor
+crossing a boundary inside the stage; and small allocations, 1% of the
+budget, at least 4 KiB), and
+``extra_bytes[s]`` (a margin the caller knows, e.g. what a measured step
+showed beyond the model). On the last stage, what the loss saves for its
+backward (``loss_saved_bytes``: a cross-entropy's log-probabilities, as large
+as the logits) is held at the start of the backward beyond the activations
+(``StageProblem.backward_start_bytes``).
 
 Search: for each candidate bottleneck ``T`` (a feasible stage's time), a
 dynamic program over (stage, first layer) gives the least ``sum_s t_s``
@@ -47,9 +55,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .cost_model import LayerProfile, StageProblem, gradients_as_base
+from .stage import SMALL_ALLOCATIONS_MIN_BYTES, SMALL_ALLOCATIONS_SHARE
 from .solver import InfeasibleBudgetError, StagePlan, plan_stage
 
-__all__ = ["PartitionPlan", "PartitionProblem", "InfeasiblePartitionError", "plan_partition"]
+__all__ = ["PartitionPlan", "PartitionProblem", "InfeasiblePartitionError", "plan_partition", "plan_cut"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,9 @@ class PartitionProblem:
     budget_bytes: tuple[int, ...]
     extra_bytes: tuple[int, ...] = ()
     allow_selective: bool = True
+    loss_s: float = 0.0
+    loss_saved_bytes: int = 0
+    planner_margins: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -100,8 +112,13 @@ class PartitionProblem:
                                  f"got {len(values)}")
             if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
                 raise ValueError(f"PartitionProblem: {field} must be non-negative ints, got {values}")
-        if isinstance(self.output_bytes, bool) or not isinstance(self.output_bytes, int) or self.output_bytes < 0:
-            raise ValueError(f"PartitionProblem: output_bytes must be a non-negative int, got {self.output_bytes!r}")
+        for field in ("output_bytes", "loss_saved_bytes"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"PartitionProblem: {field} must be a non-negative int, got {value!r}")
+        if isinstance(self.loss_s, bool) or not isinstance(self.loss_s, (int, float)) \
+                or not math.isfinite(self.loss_s) or self.loss_s < 0:
+            raise ValueError(f"PartitionProblem: loss_s must be finite and >= 0, got {self.loss_s!r}")
 
     def in_flight(self, stage: int) -> int:
         """k_s: micro-batches stage ``stage`` holds at once under 1F1B."""
@@ -123,10 +140,25 @@ class PartitionProblem:
         layers[0] = dataclasses.replace(first, input_bytes=0, input_saved_bytes=0, saved_bytes=saved,
                                         selective_saved_bytes=selective)
         layers, gradients = gradients_as_base(layers, k, self.micro_batches)
-        base = (k + 1) * (self.boundary_bytes(start) + self.boundary_bytes(end)) + self.extra_bytes[stage] + gradients
-        return StageProblem(layers=layers, in_flight=k, budget_bytes=self.budget_bytes[stage],
+        budget = self.budget_bytes[stage]
+        # The per-stage planner's margins: one activation gradient in flight, small allocations.
+        margins = 0
+        if self.planner_margins:
+            margins = (max(self.boundary_bytes(i) for i in range(start, end))
+                       + max(SMALL_ALLOCATIONS_MIN_BYTES, int(SMALL_ALLOCATIONS_SHARE * budget)))
+        base = ((k + 1) * (self.boundary_bytes(start) + self.boundary_bytes(end)) + gradients + margins
+                + self.extra_bytes[stage])
+        last = end == len(self.layers)
+        return StageProblem(layers=layers, in_flight=k, budget_bytes=budget,
                             base_bytes=base, label=f"stage {stage} (layers {start}-{end - 1})",
-                            allow_selective=self.allow_selective)
+                            allow_selective=self.allow_selective,
+                            backward_start_bytes=self.loss_saved_bytes if last else 0)
+
+    def stage_seconds(self, start: int, end: int, plan: StagePlan) -> float:
+        """t_s of a stage covering layers ``[start, end)`` under ``plan``."""
+        work = sum(layer.forward_s + backward for layer, backward in zip(self.layers[start:end],
+                                                                            self.backward_s[start:end]))
+        return work + plan.recompute_s + (self.loss_s if end == len(self.layers) else 0.0)
 
 
 @dataclass(frozen=True)
@@ -159,7 +191,6 @@ def plan_partition(problem: PartitionProblem) -> PartitionPlan:
             layer ranges would need.
     """
     n, pp, m = len(problem.layers), problem.stages, problem.micro_batches
-    work = [f.forward_s + b for f, b in zip(problem.layers, problem.backward_s)]
     plans: dict[tuple[int, int, int], StagePlan | None] = {}
     least_needed: dict[int, int] = {}
 
@@ -172,7 +203,7 @@ def plan_partition(problem: PartitionProblem) -> PartitionPlan:
                 plans[key] = None
                 least_needed[s] = min(least_needed.get(s, error.minimum_bytes), error.minimum_bytes)
         plan = plans[key]
-        return None if plan is None else (sum(work[a:b]) + plan.recompute_s, plan)
+        return None if plan is None else (problem.stage_seconds(a, b, plan), plan)
 
     # Stage s may start at layer a when the stages before fill [0, a) and those after [b, n).
     ranges = [(s, a, b) for s in range(pp) for a in range(s, n - (pp - s) + 1)
@@ -195,10 +226,41 @@ def plan_partition(problem: PartitionProblem) -> PartitionPlan:
         raise InfeasiblePartitionError(
             f"no cut of {n} layers into {pp} stages fits every stage's memory budget ({m} micro-batches per "
             f"step); where a stage's layer ranges did not fit, the least budget any of them needs: {needs}")
-    step, _, boundaries = best
-    stages = [timed[(s, a, b)] for s, (a, b) in enumerate(zip(boundaries, boundaries[1:]))]
-    return PartitionPlan(boundaries=boundaries, stage_plans=tuple(plan for _, plan in stages),
-                         stage_seconds=tuple(seconds for seconds, _ in stages), step_seconds=step)
+    return _assembled(problem, best[2], [timed[(s, a, b)] for s, (a, b) in enumerate(zip(best[2], best[2][1:]))])
+
+
+def plan_cut(problem: PartitionProblem, boundaries: Sequence[int]) -> PartitionPlan:
+    """Each stage's plan and the modelled step for a given cut (say,
+    DeepSpeed's ``"parameters"`` one), for comparison with :func:`plan_partition`'s.
+
+    Raises:
+        ValueError: ``boundaries`` is not ``0 = b_0 < b_1 < ... < b_pp = n``.
+        InfeasiblePartitionError: a stage of this cut fits no plan within its
+            budget (named, with the least budget it needs).
+    """
+    boundaries = tuple(int(b) for b in boundaries)
+    n = len(problem.layers)
+    if (len(boundaries) != problem.stages + 1 or boundaries[0] != 0 or boundaries[-1] != n
+            or any(a >= b for a, b in zip(boundaries, boundaries[1:]))):
+        raise ValueError(f"plan_cut: boundaries {list(boundaries)} do not cut {n} layers into {problem.stages} "
+                         "non-empty stages (0 = b_0 < ... < b_pp = n)")
+    stages = []
+    for s, (a, b) in enumerate(zip(boundaries, boundaries[1:])):
+        try:
+            plan = plan_stage(problem.stage_problem(s, a, b))
+        except InfeasibleBudgetError as error:
+            raise InfeasiblePartitionError(
+                f"stage {s} (layers {a}-{b - 1}) fits no plan within {problem.budget_bytes[s] / 2**20:.2f} MiB; "
+                f"it needs at least {error.minimum_bytes / 2**20:.2f} MiB") from error
+        stages.append((problem.stage_seconds(a, b, plan), plan))
+    return _assembled(problem, boundaries, stages)
+
+
+def _assembled(problem: PartitionProblem, boundaries: tuple[int, ...],
+               stages: list[tuple[float, StagePlan]]) -> PartitionPlan:
+    seconds = tuple(t for t, _ in stages)
+    return PartitionPlan(boundaries=tuple(boundaries), stage_plans=tuple(plan for _, plan in stages),
+                         stage_seconds=seconds, step_seconds=sum(seconds) + (problem.micro_batches - 1) * max(seconds))
 
 
 def _least_sum(n: int, pp: int, timed: dict, bottleneck: float) -> tuple[float, tuple[int, ...]] | None:

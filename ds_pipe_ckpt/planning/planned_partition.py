@@ -4,7 +4,8 @@ layer list (:mod:`.layer_profiling`).
 
 DeepSpeed cuts the stages in ``PipelineModule.__init__``, before
 ``deepspeed.initialize`` and its JSON config exist, so what the cut needs is
-given to the module as a :class:`PartitionPlanning`. The first rank profiles
+given to the module as a :class:`PartitionPlanning`, built in code or read
+from the same JSON config (:meth:`PartitionPlanning.from_config`). The first rank profiles
 (or reads a saved profile) and sends the profile to every rank, which all
 solve the same problem and so agree on the cut. The per-stage planner
 (``activation_checkpointing.memory_budget_mb``) then plans each stage at run
@@ -19,17 +20,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch
 import torch.distributed as dist
 
+from ..config import SECTION, CheckpointingConfig, load_ds_config
 from ..errors import ConfigError
 from .cost_model import LayerProfile
 from .layer_profiling import LayerChainProfile, profile_layer_specs
 from .partition import PartitionPlan, plan_partition
 
-__all__ = ["PartitionPlanning", "planned_partition", "partition_table", "PROFILE_FORMAT"]
+__all__ = ["PartitionPlanning", "partition_from_config", "planned_partition", "partition_table", "PROFILE_FORMAT"]
 
 MIB = 2**20
-PROFILE_FORMAT = "ds_pipe_ckpt.layer_profile.v1"
+PROFILE_FORMAT = "ds_pipe_ckpt.layer_profile.v2"
+PROFILE_KEY = "pipeline.partition_profile"
 
 
 @dataclass(frozen=True)
@@ -42,17 +46,66 @@ class PartitionPlanning:
         micro_batches: micro-batches per step (the engine's gradient accumulation steps).
         sample: one micro-batch's input to the first layer, as the data loader gives it
             (a tensor or a tuple); needed unless ``profile_path`` holds a saved profile.
-        profile_path: a JSON file: read when it exists and matches the layer list,
-            else written by the first rank after profiling, so that a restarted job
-            does not profile again.
+        labels: that micro-batch's labels: with them the module's ``loss_fn`` is
+            profiled too (its time and what it saves, on the last stage); without
+            them the loss is left out of the model (fine for a small vocabulary).
+        profile_path: a JSON file: read when it exists and describes the same layer
+            list (and, when a sample is given, the same micro-batch shapes), else
+            written by the first rank after profiling, so that a restarted job
+            does not profile again. A different number of stages, budget or
+            micro-batch count re-plans from the same profile.
         device: where the layers are profiled (default: the sample's device).
     """
 
     memory_budget_mb: float | Sequence[float]
     micro_batches: int
     sample: Any = None
+    labels: Any = None
     profile_path: str | None = None
     device: str | None = None
+
+    @classmethod
+    def from_config(cls, config: Any, sample: Any = None, labels: Any = None,
+                    device: str | None = None) -> "PartitionPlanning":
+        """The planning a DeepSpeed JSON config asks for (a dict, a path or
+        base64, as ``deepspeed.initialize`` takes it), so that the cut and each
+        stage's checkpointing plan are planned under the same budget:
+
+        * ``activation_checkpointing.memory_budget_mb``: each stage's budget;
+        * ``gradient_accumulation_steps``: the micro-batches per step;
+        * ``pipeline.partition_profile`` (optional): where the profile is kept.
+
+        Raises:
+            ConfigError: a missing or invalid key (named), or
+                ``max_memory_mb`` (the cut needs budgets above a step's start,
+                which is not known before the engine exists).
+        """
+        param_dict = load_ds_config(config)
+        settings = CheckpointingConfig.from_ds_config(param_dict)
+        if settings.max_memory_mb is not None:
+            raise ConfigError(f"{SECTION}.max_memory_mb", settings.max_memory_mb,
+                              f"null with partition_method \"planned\": give {SECTION}.memory_budget_mb",
+                              "The stages are cut before the engine exists, so what a step begins with "
+                              "(parameters, optimizer state) is not known yet; memory_budget_mb counts "
+                              "what a step adds to it.")
+        if settings.memory_budget_mb is None:
+            raise ConfigError(f"{SECTION}.memory_budget_mb", None,
+                              "each stage's budget in MiB (one number, or one per stage)",
+                              "partition_method \"planned\" cuts the stages so that each fits its budget, "
+                              "and the per-stage planner keeps it at run time.")
+        accumulation = param_dict.get("gradient_accumulation_steps")
+        if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
+            raise ConfigError("gradient_accumulation_steps", accumulation, "a positive int",
+                              "partition_method \"planned\" needs the micro-batches per step: each stage "
+                              "holds min(stages - stage, micro-batches) of them at once under 1F1B.")
+        pipeline = param_dict.get("pipeline") or {}
+        profile_path = pipeline.get("partition_profile")
+        if profile_path is not None and not isinstance(profile_path, str):
+            raise ConfigError(PROFILE_KEY, profile_path, "a file path (a string) or null")
+        budget = settings.memory_budget_mb
+        return cls(memory_budget_mb=list(budget) if isinstance(budget, tuple) else budget,
+                   micro_batches=accumulation, sample=sample, labels=labels, profile_path=profile_path,
+                   device=device)
 
     def budgets_bytes(self, stages: int) -> tuple[int, ...]:
         """The budget of each stage in bytes. Raises ConfigError naming the value."""
@@ -67,46 +120,99 @@ class PartitionPlanning:
         return tuple(int(value * MIB) for value in values)
 
 
-def _chain_to_json(chain: LayerChainProfile, names: list[str]) -> dict:
-    return {"format": PROFILE_FORMAT, "layer_types": names,
-            "layers": [dataclasses.asdict(layer) for layer in chain.layers],
-            "backward_s": list(chain.backward_s), "output_bytes": chain.output_bytes}
+def partition_from_config(config: Any, default: str = "parameters", sample: Any = None, labels: Any = None,
+                          device: str | None = None) -> tuple[str, PartitionPlanning | None]:
+    """``PipelineModule``'s ``partition_method`` and ``partition_planning`` from
+    the DeepSpeed JSON config's ``pipeline.partition_method`` (``default`` when
+    absent): a DeepSpeed method (``"parameters"``, ``"uniform"``,
+    ``"type:..."``) with no planning, or ``"planned"`` with
+    :meth:`PartitionPlanning.from_config` on ``sample`` and ``labels`` (one
+    micro-batch, as the data loader gives it)::
+
+        method, planning = partition_from_config(args.deepspeed_config, sample=x, labels=y)
+        module = PipelineModule(layers, num_stages=pp, loss_fn=loss, partition_method=method,
+                                partition_planning=planning)
+
+    Raises:
+        ConfigError: ``pipeline.partition_method`` not a string, or a planning key
+            missing or invalid (named).
+    """
+    param_dict = load_ds_config(config)
+    pipeline = param_dict.get("pipeline") or {}
+    method = pipeline.get("partition_method", default)
+    if not isinstance(method, str) or not method:
+        raise ConfigError("pipeline.partition_method", method,
+                          "\"parameters\", \"uniform\", \"type:REGEX\" (DeepSpeed's) or \"planned\"")
+    if method.lower() != "planned":
+        return method, None
+    return method, PartitionPlanning.from_config(param_dict, sample=sample, labels=labels, device=device)
 
 
-def _chain_from_json(data: dict, names: list[str]) -> LayerChainProfile | None:
-    """The saved profile, or None when it is not of this layer list."""
-    if data.get("format") != PROFILE_FORMAT or data.get("layer_types") != names:
+def _shapes(value: Any) -> list | None:
+    """The shapes and dtypes of a sample or its labels, as saved with the profile."""
+    if value is None:
         return None
+    values = value if isinstance(value, (tuple, list)) else (value, )
+    return [[list(v.shape), str(v.dtype)] if isinstance(v, torch.Tensor) else type(v).__name__ for v in values]
+
+
+def _chain_to_json(chain: LayerChainProfile, names: list[str], planning: PartitionPlanning) -> dict:
+    return {"format": PROFILE_FORMAT, "layer_types": names,
+            "sample": _shapes(planning.sample), "labels": _shapes(planning.labels),
+            "layers": [dataclasses.asdict(layer) for layer in chain.layers],
+            "backward_s": list(chain.backward_s), "output_bytes": chain.output_bytes,
+            "loss_s": chain.loss_s, "loss_saved_bytes": chain.loss_saved_bytes}
+
+
+def _chain_from_json(data: dict) -> LayerChainProfile:
     return LayerChainProfile(layers=tuple(LayerProfile(**layer) for layer in data["layers"]),
-                             backward_s=tuple(data["backward_s"]), output_bytes=data["output_bytes"])
+                             backward_s=tuple(data["backward_s"]), output_bytes=data["output_bytes"],
+                             loss_s=data["loss_s"], loss_saved_bytes=data["loss_saved_bytes"])
 
 
-def _first_rank_chain(specs: Sequence[Any], names: list[str], planning: PartitionPlanning) -> tuple[dict, str]:
+def _stale(data: dict, names: list[str], planning: PartitionPlanning) -> str | None:
+    """Why a saved profile does not describe this layer list and micro-batch, or None."""
+    if data.get("format") != PROFILE_FORMAT:
+        return f"is of format {data.get('format')!r}, not {PROFILE_FORMAT!r}"
+    if data.get("layer_types") != names:
+        return "describes other layers"
+    for field in ("sample", "labels"):
+        given = _shapes(getattr(planning, field))
+        if given is not None and data.get(field) != given:
+            return f"was measured on a {field} of {data.get(field)}, not {given}"
+    return None
+
+
+def _first_rank_chain(specs: Sequence[Any], names: list[str], planning: PartitionPlanning,
+                      loss_fn: Any) -> tuple[dict, str]:
     """The profile as JSON, and where it came from."""
     path = Path(planning.profile_path) if planning.profile_path else None
     if path is not None and path.exists():
         data = json.loads(path.read_text())
-        if _chain_from_json(data, names) is not None:
+        stale = _stale(data, names, planning)
+        if stale is None:
             return data, f"read from {path}"
-        note = f"{path} holds a profile of other layers; profiled again and rewritten"
+        note = f"{path} {stale}; profiled again and rewritten"
     else:
         note = "profiled" + (f" and saved to {path}" if path is not None else "")
     if planning.sample is None:
         raise ConfigError("partition_planning.sample", None, "one micro-batch's input to the first layer",
                           "partition_method=\"planned\" profiles the layers on it"
                           + (f"; {path} holds no profile of these layers" if path is not None else ""))
-    chain = profile_layer_specs(specs, planning.sample, device=planning.device)
-    data = _chain_to_json(chain, names)
+    chain = profile_layer_specs(specs, planning.sample, device=planning.device, loss_fn=loss_fn,
+                                labels=planning.labels)
+    data = _chain_to_json(chain, names, planning)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data, indent=1))
     return data, note
 
 
-def planned_partition(specs: Sequence[Any], names: list[str], stages: int,
-                      planning: PartitionPlanning) -> tuple[PartitionPlan, LayerChainProfile, str]:
+def planned_partition(specs: Sequence[Any], names: list[str], stages: int, planning: PartitionPlanning,
+                      loss_fn: Any = None) -> tuple[PartitionPlan, LayerChainProfile, str]:
     """The cut of ``specs`` into ``stages`` (module docstring); the same on
-    every rank. Returns the plan, the profile and where the profile came from.
+    every rank. ``loss_fn`` (the module's) is profiled when the planning has
+    labels. Returns the plan, the profile and where the profile came from.
 
     Raises:
         ConfigError: a budget, micro-batch count or sample that is missing or invalid.
@@ -118,13 +224,15 @@ def planned_partition(specs: Sequence[Any], names: list[str], stages: int,
         raise ConfigError("partition_planning.micro_batches", planning.micro_batches, "a positive int")
     message: list[Any] = [None, None]
     if not dist.is_initialized() or dist.get_rank() == 0:
-        message = list(_first_rank_chain(specs, names, planning))
+        message = list(_first_rank_chain(specs, names, planning, loss_fn))
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(message, src=0)
     data, note = message
-    chain = _chain_from_json(data, names)
+    chain = _chain_from_json(data)
     plan = plan_partition(chain.partition_problem(stages, planning.micro_batches, budgets))
-    return plan, chain, note
+    budget_text = ", ".join(f"{b / MIB:.2f}" for b in budgets)
+    return plan, chain, (f"{note}; planned for {stages} stages, {planning.micro_batches} micro-batches per step, "
+                         f"budgets {budget_text} MiB")
 
 
 def partition_table(plan: PartitionPlan, names: list[str], note: str) -> str:

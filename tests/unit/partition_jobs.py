@@ -27,9 +27,9 @@ def train_with_partition(method, budget_mb, profile_path, steps=3):
     torch.manual_seed(0)
     planning = None
     if method == "planned":
-        planning = PartitionPlanning(memory_budget_mb=budget_mb, micro_batches=GRAD_ACCUM,
-                                     sample=torch.randn(MICRO_BATCH, 8, generator=torch.Generator().manual_seed(1)),
-                                     profile_path=profile_path)
+        sample = torch.randn(MICRO_BATCH, 8, generator=torch.Generator().manual_seed(1))
+        planning = PartitionPlanning(memory_budget_mb=budget_mb, micro_batches=GRAD_ACCUM, sample=sample,
+                                     labels=sample[:, :4].argmax(dim=-1), profile_path=profile_path)
     module = PipelineModule(layers=layer_specs(), num_stages=2, loss_fn=nn.CrossEntropyLoss(), seed_layers=True,
                             partition_method=method, partition_planning=planning)
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": GRAD_ACCUM,
@@ -43,4 +43,4 @@ def train_with_partition(method, budget_mb, profile_path, steps=3):
     plan = module.partition_plan
     return {"losses": losses, "parts": list(module.parts), "stage": engine.stage_id,
             "boundaries": None if plan is None else list(plan.boundaries),
-            "local_layers": len(module.forward_funcs)}
+            "local_layers": len(module.forward_funcs), "profile_source": module.partition_profile_source}

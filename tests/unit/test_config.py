@@ -177,6 +177,9 @@ def test_initialize_has_deepspeeds_signature():
     ({"pipeline": {"use_reentrant": "false"}}, "pipeline.use_reentrant"),
     ({"pipeline": {"activation_checkpoint_interval": -2}}, "pipeline.activation_checkpoint_interval"),
     ({"activation_checkpointing": {"profiling": True}}, "activation_checkpointing.profiling"),
+    # Read when the module is built (partition_from_config): never silently ignored.
+    ({"pipeline": {"partition_method": "planned"}}, "pipeline.partition_method"),
+    ({"pipeline": {"partition_profile": "profile.json"}}, "pipeline.partition_profile"),
 ])
 def test_initialize_validates_before_building_anything(config, key):
     # No process group exists in this process: the error must come first.

@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 import torch.nn as nn
 
-from ds_pipe_ckpt import ConfigError, LayerSpec, PipelineModule
-from ds_pipe_ckpt.planning.planned_partition import PROFILE_FORMAT
+from ds_pipe_ckpt import ConfigError, LayerSpec, PartitionPlanning, PipelineModule
+from ds_pipe_ckpt.planning.layer_profiling import spec_name
+from ds_pipe_ckpt.planning.planned_partition import PROFILE_FORMAT, partition_from_config, planned_partition
 from ds_pipe_ckpt.testing import run_ranks
 
 import partition_jobs
@@ -52,9 +54,87 @@ def test_a_saved_profile_is_read_and_gives_the_same_cut(runs, profile_path):
     planned, _, again = runs
     data = json.loads(open(profile_path).read())
     assert data["format"] == PROFILE_FORMAT and len(data["layers"]) == 7
+    assert planned[0]["profile_source"].startswith(f"profiled and saved to {profile_path}")
+    assert again[0]["profile_source"].startswith(f"read from {profile_path}")
+    assert "planned for 2 stages, 4 micro-batches per step, budgets 64.00, 64.00 MiB" in again[0]["profile_source"]
     assert again[0]["boundaries"] == planned[0]["boundaries"]
+
+
+def test_the_loss_is_profiled_with_the_labels(runs, profile_path):
+    """CrossEntropyLoss on [8, 4] logits saves their log-probabilities (128 B)
+    and a 4-byte total weight beyond its inputs."""
+    data = json.loads(open(profile_path).read())
+    assert data["loss_saved_bytes"] == 8 * 4 * 4 + 4 and data["loss_s"] > 0
+    assert data["sample"] == [[[8, 8], "torch.float32"]] and data["labels"] == [[[8], "torch.int64"]]
+
+
+def test_a_profile_of_another_micro_batch_is_measured_again(tmp_path):
+    path = tmp_path / "profile.json"
+    specs = partition_jobs.layer_specs()
+    names = [spec_name(spec) for spec in specs]
+
+    def planning(batch):
+        return PartitionPlanning(memory_budget_mb=64.0, micro_batches=4, sample=torch.randn(batch, 8),
+                                 profile_path=str(path))
+    _, _, note = planned_partition(specs, names, 2, planning(8))
+    assert note.startswith(f"profiled and saved to {path}")
+    _, _, note = planned_partition(specs, names, 2, planning(8))
+    assert note.startswith(f"read from {path}")
+    _, chain, note = planned_partition(specs, names, 2, planning(16))
+    assert note.startswith(f"{path} was measured on a sample of [[[8, 8], 'torch.float32']], not "
+                           "[[[16, 8], 'torch.float32']]; profiled again and rewritten")
+    assert chain.layers[0].input_bytes == 16 * 8 * 4
+    _, _, note = planned_partition(specs, names[:-1] + ["Other"], 2, planning(16))
+    assert "describes other layers" in note
+
+
+def test_the_planning_reads_the_deepspeed_config():
+    config = {"gradient_accumulation_steps": 6, "pipeline": {"use_reentrant": False, "partition_profile": "p.json"},
+              "activation_checkpointing": {"memory_budget_mb": [40, 60]}}
+    planning = PartitionPlanning.from_config(config, sample="x", labels="y")
+    assert (planning.memory_budget_mb, planning.micro_batches, planning.profile_path) == ([40, 60], 6, "p.json")
+    assert (planning.sample, planning.labels) == ("x", "y")
+    assert planning.budgets_bytes(2) == (40 * 2**20, 60 * 2**20)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(activation_checkpointing={}), "activation_checkpointing.memory_budget_mb.*each stage's budget"),
+    (dict(activation_checkpointing={"max_memory_mb": 100}), "max_memory_mb.*give activation_checkpointing.memory_b"),
+    (dict(gradient_accumulation_steps=0), "gradient_accumulation_steps.*a positive int"),
+    (dict(pipeline={"use_reentrant": False, "partition_profile": 3}), "pipeline.partition_profile.*a file path"),
+    (dict(pipeline={"use_reentrant": True}), "memory_budget_mb.*null unless pipeline.use_reentrant is false"),
+])
+def test_a_bad_planning_config_is_named(change, match):
+    config = {"gradient_accumulation_steps": 4, "pipeline": {"use_reentrant": False},
+              "activation_checkpointing": {"memory_budget_mb": 40}} | change
+    with pytest.raises(ConfigError, match=match):
+        PartitionPlanning.from_config(config)
 
 
 def test_planned_without_its_settings_is_named():
     with pytest.raises(ConfigError, match="partition_method.*planned.*partition_planning"):
         PipelineModule(layers=[LayerSpec(nn.Linear, 2, 2)] * 2, num_stages=1, partition_method="planned")
+
+
+def test_the_partition_method_comes_from_the_config():
+    assert partition_from_config({}, default="type:Block") == ("type:Block", None)
+    assert partition_from_config({"pipeline": {"partition_method": "uniform"}}) == ("uniform", None)
+    method, planning = partition_from_config(
+        {"gradient_accumulation_steps": 2, "pipeline": {"partition_method": "planned", "use_reentrant": False},
+         "activation_checkpointing": {"memory_budget_mb": 12.5}}, sample="x")
+    assert method == "planned" and (planning.memory_budget_mb, planning.micro_batches, planning.sample) == \
+        (12.5, 2, "x")
+    with pytest.raises(ConfigError, match="pipeline.partition_method = 3"):
+        partition_from_config({"pipeline": {"partition_method": 3}})
+
+
+def test_a_module_cut_otherwise_than_the_config_says_is_named():
+    """A module built with another method than pipeline.partition_method is
+    caught by initialize before any engine exists."""
+    from ds_pipe_ckpt.initialize import _check_partition
+
+    module = PipelineModule.__new__(PipelineModule)
+    module.__dict__["partition_method"] = "parameters"
+    with pytest.raises(ConfigError, match=r"pipeline.partition_method = 'planned'.*cut with \('parameters'\)"):
+        _check_partition(module, {"pipeline": {"partition_method": "planned"}})
+    _check_partition(module, {"pipeline": {"partition_method": "Parameters"}})
