@@ -9,6 +9,7 @@ Run from the repository root::
     python -m benchmarks.pipeline --budget 0.3 0.5 0.75 [...]   # also the planner against uniform intervals
     python -m benchmarks.pipeline --modes none --budget 0.3 [...]  # only what the budget rows need
     python -m benchmarks.pipeline --model encoder --modes none --budget 0.3 0.5 0.7 0.9 --timed-steps 5
+    python -m benchmarks.pipeline --partition planned --model llama --blocks 16 --vocab 4096 --budget 0.5 0.7
 
 For each pipeline depth (pp=2; also pp=4 without ``--quick``) and mode
 (:mod:`benchmarks.pipeline_modes`: none, reentrant, non_reentrant, selective,
@@ -30,6 +31,14 @@ planned step it checks, the first one included, and the benchmark's measured
 step) is reported with its peak, and the planned steps over their budget are
 counted. With ``--png P`` a second plot, ``P`` with ``-budget`` before its
 suffix, shows step time against budget.
+
+With ``--partition planned --budget F ...`` it compares instead the planned
+partition (``pipeline.partition_method = "planned"``: stage boundaries chosen
+with each stage's checkpointing) with DeepSpeed's ``"parameters"`` and
+``"uniform"`` partitions, each with its best uniform interval and with the
+per-stage planner, under one budget on every stage
+(:mod:`benchmarks.pipeline_partition`); ``--png P`` then plots step time per
+budget and configuration.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import itertools  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Sequence  # noqa: E402
@@ -57,6 +67,8 @@ from .checkpointing import machine_info  # noqa: E402
 from .pipeline_budget import (PLANNED, BudgetOutcome, budget_records, infeasible_minimum,  # noqa: E402
                               planned_mode, stage_budgets, uniform_best, uniform_modes)
 from .pipeline_models import MODEL_NAMES, EncoderConfig, LlamaSizes, model_description  # noqa: E402
+from .pipeline_partition import partition_rows  # noqa: E402
+from .pipeline_partition_report import partition_markdown, write_partition_png  # noqa: E402
 from .pipeline_modes import PRESETS, Layout, PipelineMode, Preset, layouts, modes  # noqa: E402
 from .pipeline_rank import measure_layouts  # noqa: E402
 from .pipeline_report import markdown, summarize, write_budget_png, write_json, write_png  # noqa: E402
@@ -86,12 +98,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--timed-steps", type=int, metavar="N", help="timed steps per mode (default: the preset's)")
     for name in ("dim", "context", "blocks", "heads"):
         parser.add_argument(f"--{name}", type=int, help=f"model {name} (default: the benchmark preset's)")
+    parser.add_argument("--vocab", type=int, dest="vocab_size",
+                        help="vocabulary of the gpt and llama models (default 256, byte-level); a larger one costs "
+                             "what a real vocabulary's head and loss do")
     parser.add_argument("--modes", nargs="+", metavar="MODE", choices=[mode.name for mode in modes()],
                         help="measure only these modes (default: all of "
                              f"{', '.join(mode.name for mode in modes())}); --budget needs none")
     parser.add_argument("--budget", type=float, nargs="+", metavar="F",
                         help="also run the planner with each stage's budget F x its peak without checkpointing, "
                              "against the best uniform interval that fits (e.g. --budget 0.3 0.5 0.75)")
+    parser.add_argument("--partition", choices=("planned", ), default=None,
+                        help="planned: compare the planned partition with DeepSpeed's \"parameters\" and \"uniform\" "
+                             "ones under --budget F x the highest stage peak without checkpointing, on every stage")
     return parser
 
 
@@ -105,8 +123,10 @@ def _preset(args: argparse.Namespace) -> Preset:
     preset = PRESETS[args.preset]
     model = {"encoder": EncoderConfig, "llama": LlamaSizes}.get(args.model)
     model = preset.model if model is None else model(dim=preset.model.dim, context=preset.model.context)
-    sizes = {name: getattr(args, name) for name in ("dim", "context", "blocks", "heads")
+    sizes = {name: getattr(args, name) for name in ("dim", "context", "blocks", "heads", "vocab_size")
              if getattr(args, name) is not None}
+    if "vocab_size" in sizes and isinstance(model, EncoderConfig):
+        raise ValueError(f"--vocab {sizes['vocab_size']}: the encoder model classifies features; it has no vocabulary")
     changes: dict = {"model": dataclasses.replace(model, **sizes)}
     if args.pp is not None:
         if any(pp < 1 for pp in args.pp):
@@ -128,6 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:  # GPTConfig / EncoderConfig names the bad size
         parser.error(str(error))
     mode_list = tuple(mode for mode in modes() if args.modes is None or mode.name in args.modes)
+    if args.partition and not args.budget:
+        parser.error("--partition planned needs --budget F [F ...]: the comparison is under budgets")
     if args.budget and all(mode.name != "none" for mode in mode_list):
         parser.error("--budget needs the none mode: its peaks set the budgets")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -142,6 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         load_corpus(cache_dir)  # written once here, read by every rank
 
     start = time.perf_counter()
+    if args.partition:
+        return _partition_main(args, preset, cache_dir, device, cores, machine, start)
     records = _launch(layouts(preset, mode_list), preset, cache_dir, device, cores, mode_list)
     if args.budget:
         records += _budget_rows(args.budget, preset, records, cache_dir, device, cores)
@@ -159,6 +183,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.budget:
             png = Path(args.png)
             write_budget_png(str(png.with_name(f"{png.stem}-budget{png.suffix}")), records, machine)
+    return 0
+
+
+def _partition_main(args: argparse.Namespace, preset: Preset, cache_dir: str | None, device: torch.device,
+                    cores: int, machine: dict, start: float) -> int:
+    """``--partition planned``: the comparison of :mod:`benchmarks.pipeline_partition`."""
+    records: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="ds_pipe_ckpt-partition-") as directory:
+        for pp in preset.pipeline_depths:
+            def launch(layout: Layout, mode_list: Sequence[PipelineMode]) -> list[dict]:
+                return _launch([layout], preset, cache_dir, device, cores, mode_list)
+            records += partition_rows(pp, args.budget, preset.model.blocks, launch,
+                                      str(Path(directory) / f"profile-pp{pp}.json"), _root_error)
+    machine["load_average_at_end"] = os.getloadavg()
+    machine["wall_s"] = round(time.perf_counter() - start, 1)
+    machine["torch_threads"] = ", ".join(f"pp={pp}: {max(1, cores // pp)}" for pp in preset.pipeline_depths)
+    print(partition_markdown(records, machine), end="")
+    print(f"Load average (1, 5, 15 min): {machine['load_average_at_start']} at start, "
+          f"{machine['load_average_at_end']} at end; {machine['wall_s']} s.")
+    if args.json:
+        write_json(args.json, records, machine)
+    if args.png:
+        write_partition_png(args.png, records, machine)
     return 0
 
 

@@ -12,10 +12,11 @@ described, built as a DeepSpeed pipeline engine and fed.
   backward) and a ``Linear`` classifier, on seeded random features whose
   label is the argmax of a few of them.
 
-In both, only the transformer blocks are checkpointed
+In all, only the transformer blocks are checkpointed
 (``checkpointable_layers``), so a uniform ``activation_checkpoint_interval``
 counts blocks, and DeepSpeed balances the blocks across stages
-(``partition_method="type:<block class>"``).
+(``partition_method="type:<block class>"``) unless the config's
+``pipeline.partition_method`` says otherwise (``--partition``).
 """
 
 from __future__ import annotations
@@ -29,14 +30,16 @@ from deepspeed.pipe import LayerSpec
 
 import ds_pipe_ckpt
 from examples.gpt.data import Corpus, micro_batches
+from examples.gpt.engine import DEFAULT_PARTITION_METHOD as GPT_PARTITION
 from examples.gpt.engine import build_engine as build_gpt_engine
+from examples.llama.engine import DEFAULT_PARTITION_METHOD as LLAMA_PARTITION
 from examples.gpt.model import GPTConfig, check_sizes
 from examples.llama.engine import build_engine as build_llama_engine
 from examples.llama.model import small_config
 from examples.sampling import GlobalBatchSampler
 
 __all__ = ["EncoderConfig", "LlamaSizes", "MODEL_NAMES", "model_name", "model_description", "build_engine", "training_batches",
-           "blocks_of"]
+           "blocks_of", "default_partition"]
 
 MODEL_NAMES = ("gpt", "llama", "encoder")
 
@@ -79,22 +82,25 @@ class LlamaSizes:
             attention, as Llama 2 70B and Llama 3 have), at least 1.
         blocks: decoder layers.
         context: sequence length of every sample.
+        vocab_size: token ids (the corpus is byte-level: ids above 255 are never
+            drawn, but the head and the loss cost what a real vocabulary's do).
     """
 
     dim: int = 128
     heads: int = 4
     blocks: int = 4
     context: int = 128
+    vocab_size: int = 256
 
     def __post_init__(self):
-        check_sizes(self, ("dim", "heads", "blocks", "context"))
+        check_sizes(self, ("dim", "heads", "blocks", "context", "vocab_size"))
 
     def config(self):
         """The ``LlamaConfig``: the Llama example's small config at these sizes
         (MLP 2 x dim with SwiGLU, byte-level vocabulary, tied embeddings, SDPA)."""
         return small_config(hidden_size=self.dim, intermediate_size=2 * self.dim, num_hidden_layers=self.blocks,
                             num_attention_heads=self.heads, num_key_value_heads=max(1, self.heads // 2),
-                            max_position_embeddings=max(1024, self.context))
+                            max_position_embeddings=max(1024, self.context), vocab_size=self.vocab_size)
 
 
 class MeanOverSequence(nn.Module):
@@ -115,7 +121,8 @@ def model_description(model: Model) -> str:
     """The ``model`` field of the JSON records."""
     if isinstance(model, LlamaSizes):
         return (f"llama (transformers LlamaDecoderLayer) d={model.dim} heads={model.heads} "
-                f"kv_heads={max(1, model.heads // 2)} blocks={model.blocks} context={model.context} vocab=256")
+                f"kv_heads={max(1, model.heads // 2)} blocks={model.blocks} context={model.context} "
+                f"vocab={model.vocab_size}")
     if isinstance(model, EncoderConfig):
         return (f"encoder (nn.TransformerEncoderLayer) d={model.dim} heads={model.heads} blocks={model.blocks} "
                 f"context={model.context} features={model.features} classes={model.classes}")
@@ -134,19 +141,34 @@ def _encoder_specs(model: EncoderConfig) -> list[LayerSpec]:
             + [LayerSpec(MeanOverSequence), LayerSpec(nn.Linear, model.dim, model.classes)])
 
 
-def build_engine(config: dict, model: Model, topology: Any, seed: int = 0) -> Any:
+def default_partition(model: Model) -> str:
+    """The model's ``partition_method`` when the config names none: its blocks balanced."""
+    return {EncoderConfig: "type:TransformerEncoderLayer", LlamaSizes: LLAMA_PARTITION}.get(type(model), GPT_PARTITION)
+
+
+def build_engine(config: dict, model: Model, topology: Any, seed: int = 0,
+                 sample: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
     """``ds_pipe_ckpt.initialize`` of ``model``'s pipeline under ``config`` (a
     DeepSpeed config with an ``optimizer`` section), seeded with ``seed`` (the
     GPT model's weights depend on nothing else; the encoder's also on which
-    layers a stage builds: the benchmark compares memory and time, not losses)."""
+    layers a stage builds: the benchmark compares memory and time, not losses).
+    The stages are cut as ``pipeline.partition_method`` says (default:
+    :func:`default_partition`); ``"planned"`` profiles the layers on
+    ``sample``, one micro-batch's ``(inputs, labels)``."""
+    inputs, labels = sample if sample is not None else (None, None)
+    method, planning = ds_pipe_ckpt.partition_from_config(config, default=default_partition(model), sample=inputs,
+                                                          labels=labels)
     if isinstance(model, GPTConfig):
-        return build_gpt_engine(config, model, topology, seed=seed)
+        return build_gpt_engine(config, model, topology, seed=seed, partition_method=method,
+                                partition_planning=planning)
     if isinstance(model, LlamaSizes):
-        engine, _ = build_llama_engine(config, model.config(), topology, seed=seed)
+        engine, _ = build_llama_engine(config, model.config(), topology, seed=seed, partition_method=method,
+                                       partition_planning=planning)
         return engine
     torch.manual_seed(seed)  # LayerSpecs are built in layer order on every stage: the same weights
     module = ds_pipe_ckpt.PipelineModule(layers=_encoder_specs(model), topology=topology,
-                                         loss_fn=nn.CrossEntropyLoss(), partition_method="type:TransformerEncoderLayer",
+                                         loss_fn=nn.CrossEntropyLoss(), partition_method=method,
+                                         partition_planning=planning,
                                          checkpointable_layers=["TransformerEncoderLayer"])
     engine, _, _, _ = ds_pipe_ckpt.initialize(model=module, config=config,
                                               model_parameters=[p for p in module.parameters() if p.requires_grad])

@@ -67,10 +67,26 @@ def _warmup_steps(mode: PipelineMode, preset: Preset) -> int:
 def _build_run(mode: PipelineMode, layout: Layout, preset: Preset, corpus: Corpus | None) -> _Run:
     config = merge_config(base_config(preset, layout.pp), mode.config)
     topology = pipeline_topology(dist.get_world_size(), layout.pp, layout.mp)
-    engine = build_engine(config, preset.model, topology, seed=0)
     steps = _warmup_steps(mode, preset) + 1 + preset.timed_steps
-    batches = training_batches(preset.model, corpus, preset.micro_batch, engine.gradient_accumulation_steps(), steps)
+    accumulation = config["gradient_accumulation_steps"]
+    # The first micro-batch of the run: what a planned partition profiles the layers on.
+    sample = next(training_batches(preset.model, corpus, preset.micro_batch, accumulation, steps))
+    engine = build_engine(config, preset.model, topology, seed=0, sample=sample)
+    batches = training_batches(preset.model, corpus, preset.micro_batch, accumulation, steps)
     return _Run(mode, config, engine, batches)
+
+
+def _partition_fields(module: Any) -> dict:
+    """How the stages were cut, and the planned partition's model of the step."""
+    fields = {"partition_method": module.__dict__.get("partition_method"), "parts": [int(p) for p in module.parts]}
+    plan = getattr(module, "partition_plan", None)
+    if plan is not None:
+        fields["partition_plan"] = {
+            "boundaries": list(plan.boundaries), "stage_seconds": list(plan.stage_seconds),
+            "step_seconds": plan.step_seconds,
+            "predicted_peak_bytes": [p.predicted_peak_bytes for p in plan.stage_plans],
+            "profile_source": module.partition_profile_source}
+    return fields
 
 
 # The planner's steps (ds_pipe_ckpt.planning.stage): the first warms up, the
@@ -110,7 +126,8 @@ def _records(layout: Layout, preset: Preset, runs: Sequence[_Run], threads: int)
         engine = run.engine
         accumulation = engine.gradient_accumulation_steps()
         measured_step = _warmup_steps(run.mode, preset) + 1
-        records.append(_plan_fields(engine, measured_step, run.memory.peak_bytes) | {
+        records.append(_plan_fields(engine, measured_step, run.memory.peak_bytes)
+                       | _partition_fields(engine.module) | {
             "model": model_description(preset.model),
             "pp": layout.pp,
             "mp": layout.mp,

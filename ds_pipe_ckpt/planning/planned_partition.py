@@ -27,7 +27,7 @@ from ..config import SECTION, CheckpointingConfig, load_ds_config
 from ..errors import ConfigError
 from .cost_model import LayerProfile
 from .layer_profiling import LayerChainProfile, profile_layer_specs
-from .partition import PartitionPlan, plan_partition
+from .partition import InfeasiblePartitionError, PartitionPlan, plan_partition
 
 __all__ = ["PartitionPlanning", "partition_from_config", "planned_partition", "partition_table", "PROFILE_FORMAT"]
 
@@ -63,6 +63,7 @@ class PartitionPlanning:
     labels: Any = None
     profile_path: str | None = None
     device: str | None = None
+    budget_key: str = "partition_planning.memory_budget_mb"  # how messages name the budget
 
     @classmethod
     def from_config(cls, config: Any, sample: Any = None, labels: Any = None,
@@ -105,11 +106,11 @@ class PartitionPlanning:
         budget = settings.memory_budget_mb
         return cls(memory_budget_mb=list(budget) if isinstance(budget, tuple) else budget,
                    micro_batches=accumulation, sample=sample, labels=labels, profile_path=profile_path,
-                   device=device)
+                   device=device, budget_key=f"{SECTION}.memory_budget_mb")
 
     def budgets_bytes(self, stages: int) -> tuple[int, ...]:
         """The budget of each stage in bytes. Raises ConfigError naming the value."""
-        key = "partition_planning.memory_budget_mb"
+        key = self.budget_key
         values = (list(self.memory_budget_mb) if isinstance(self.memory_budget_mb, (list, tuple))
                   else [self.memory_budget_mb] * stages)
         if len(values) != stages:
@@ -215,8 +216,8 @@ def planned_partition(specs: Sequence[Any], names: list[str], stages: int, plann
     labels. Returns the plan, the profile and where the profile came from.
 
     Raises:
-        ConfigError: a budget, micro-batch count or sample that is missing or invalid.
-        InfeasiblePartitionError: no cut fits every stage's budget.
+        ConfigError: a budget, micro-batch count or sample that is missing or
+            invalid, or a budget no cut fits (each stage's least budget named).
     """
     budgets = planning.budgets_bytes(stages)
     if isinstance(planning.micro_batches, bool) or not isinstance(planning.micro_batches, int) \
@@ -229,7 +230,13 @@ def planned_partition(specs: Sequence[Any], names: list[str], stages: int, plann
         dist.broadcast_object_list(message, src=0)
     data, note = message
     chain = _chain_from_json(data)
-    plan = plan_partition(chain.partition_problem(stages, planning.micro_batches, budgets))
+    try:
+        plan = plan_partition(chain.partition_problem(stages, planning.micro_batches, budgets))
+    except InfeasiblePartitionError as error:
+        reason = str(error)
+        raise ConfigError(planning.budget_key, planning.memory_budget_mb, "a budget some cut of the layers fits",
+                          f"{reason[:1].upper()}{reason[1:]}. Raise the budget, lower the micro-batch size, or use more "
+                          "stages.") from error
     budget_text = ", ".join(f"{b / MIB:.2f}" for b in budgets)
     return plan, chain, (f"{note}; planned for {stages} stages, {planning.micro_batches} micro-batches per step, "
                          f"budgets {budget_text} MiB")

@@ -24,7 +24,8 @@ DEFAULT_PARTITION_METHOD = "type:Block"
 
 
 def build_engine(config: dict, model: GPTConfig, topology: PipeModelDataParallelTopology, seed: int = 0,
-                 dropout_seed: int | None = None, partition_method: str = DEFAULT_PARTITION_METHOD) -> Any:
+                 dropout_seed: int | None = None, partition_method: str = DEFAULT_PARTITION_METHOD,
+                 partition_planning: ds_pipe_ckpt.PartitionPlanning | None = None) -> Any:
     """``ds_pipe_ckpt.initialize`` of the GPT pipeline under ``config`` (a DeepSpeed
     config dict with an ``optimizer`` section); returns DeepSpeed's ``PipelineEngine``.
 
@@ -32,13 +33,15 @@ def build_engine(config: dict, model: GPTConfig, topology: PipeModelDataParallel
     seeded with ``dropout_seed`` (default ``seed``) last, so every config built
     with the same seeds starts from the same weights and draws the same masks.
     Only the transformer blocks are checkpointed (``checkpointable_layers``),
-    every ``pipeline.activation_checkpoint_interval`` of them.
+    every ``pipeline.activation_checkpoint_interval`` of them. ``partition_planning``
+    goes with ``partition_method="planned"`` (``ds_pipe_ckpt.partition_from_config``).
     """
     if "optimizer" not in config:
         raise ValueError("the DeepSpeed config has no \"optimizer\" section; the GPT example builds its optimizer "
                          "from it, e.g. {\"type\": \"Adam\", \"params\": {\"lr\": 0.001, \"torch_adam\": true}}")
     module = ds_pipe_ckpt.PipelineModule(layers=gpt_layer_specs(model, seed), topology=topology,
                                          loss_fn=language_model_loss, partition_method=partition_method,
+                                         partition_planning=partition_planning,
                                          checkpointable_layers=list(CHECKPOINTABLE_LAYERS))
     engine, _, _, _ = ds_pipe_ckpt.initialize(model=module, config=config,
                                               model_parameters=[p for p in module.parameters() if p.requires_grad])

@@ -138,3 +138,15 @@ def test_a_module_cut_otherwise_than_the_config_says_is_named():
     with pytest.raises(ConfigError, match=r"pipeline.partition_method = 'planned'.*cut with \('parameters'\)"):
         _check_partition(module, {"pipeline": {"partition_method": "planned"}})
     _check_partition(module, {"pipeline": {"partition_method": "Parameters"}})
+
+
+def test_a_budget_no_cut_fits_is_a_config_error_naming_each_stages_least_budget():
+    specs = partition_jobs.layer_specs()
+    names = [spec_name(spec) for spec in specs]
+    planning = PartitionPlanning.from_config(
+        {"gradient_accumulation_steps": 4, "pipeline": {"use_reentrant": False},
+         "activation_checkpointing": {"memory_budget_mb": 0.001}}, sample=torch.randn(8, 8))
+    with pytest.raises(ConfigError, match=r"activation_checkpointing.memory_budget_mb = 0.001 is invalid: expected a "
+                                          r"budget some cut of the layers fits. No cut of 7 layers into 2 stages .*"
+                                          r"stage 0: at least [0-9.]+ MiB, stage 1: at least [0-9.]+ MiB"):
+        planned_partition(specs, names, 2, planning)
