@@ -6,6 +6,7 @@
 #   make llama           - the Llama pipeline example (transformers' layers) on CPU (pp=2), the same four modes
 #   make benchmark       - python -m benchmarks.checkpointing (one stage, every path, beside upstream and torch)
 #   make benchmark-pipeline - python -m benchmarks.pipeline --budget 0.3 0.5 0.75 (per stage, in the engine)
+#   make benchmark-partition - the planned partition against DeepSpeed's, GPT and Llama at pp=2 and 4 (about 30 min)
 
 PYTHON ?= python3
 VENV := .venv
@@ -13,7 +14,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: install test cifar10 gpt llama benchmark benchmark-pipeline
+.PHONY: install test cifar10 gpt llama benchmark benchmark-pipeline benchmark-partition
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -42,3 +43,9 @@ benchmark: $(STAMP)
 
 benchmark-pipeline: $(STAMP)
 	$(PY) -m benchmarks.pipeline --budget 0.3 0.5 0.75
+
+benchmark-partition: $(STAMP)
+	for model in gpt llama; do \
+	  $(PY) -m benchmarks.pipeline --partition planned --model $$model --blocks 16 --vocab 4096 --pp 2 4 \
+	    --budget 0.5 0.7 --timed-steps 3 --png partition-$$model.png || exit 1; \
+	done

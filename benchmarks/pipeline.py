@@ -52,6 +52,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import itertools  # noqa: E402
+import json  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -68,7 +69,7 @@ from .pipeline_budget import (PLANNED, BudgetOutcome, budget_records, infeasible
                               planned_mode, stage_budgets, uniform_best, uniform_modes)
 from .pipeline_models import MODEL_NAMES, EncoderConfig, LlamaSizes, model_description  # noqa: E402
 from .pipeline_partition import partition_rows  # noqa: E402
-from .pipeline_partition_report import partition_markdown, write_partition_png  # noqa: E402
+from .pipeline_partition_report import partition_document, partition_markdown, write_partition_png  # noqa: E402
 from .pipeline_modes import PRESETS, Layout, PipelineMode, Preset, layouts, modes  # noqa: E402
 from .pipeline_rank import measure_layouts  # noqa: E402
 from .pipeline_report import markdown, summarize, write_budget_png, write_json, write_png  # noqa: E402
@@ -203,7 +204,9 @@ def _partition_main(args: argparse.Namespace, preset: Preset, cache_dir: str | N
     print(f"Load average (1, 5, 15 min): {machine['load_average_at_start']} at start, "
           f"{machine['load_average_at_end']} at end; {machine['wall_s']} s.")
     if args.json:
-        write_json(args.json, records, machine)
+        with open(args.json, "w") as handle:
+            json.dump(partition_document(records, machine), handle, indent=2)
+            handle.write("\n")
     if args.png:
         write_partition_png(args.png, records, machine)
     return 0

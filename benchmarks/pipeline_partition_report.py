@@ -11,7 +11,8 @@ from typing import Sequence
 from .pipeline_partition import DEEPSPEED_PARTITIONS, PLANNED_PARTITION, PLANNER, UNIFORM_BEST
 from .pipeline_report import MIB, ModeSummary, summarize
 
-__all__ = ["PARTITION_TARGET", "RowResult", "comparison", "partition_markdown", "write_partition_png"]
+__all__ = ["PARTITION_TARGET", "RowResult", "comparison", "partition_markdown", "partition_document",
+           "write_partition_png"]
 
 # The planned partition's step time over the best of DeepSpeed's partitions
 # (each with its best uniform interval or the per-stage planner) at half the
@@ -152,6 +153,16 @@ def partition_markdown(records: Sequence[dict], machine: dict) -> str:
     return "\n".join(lines)
 
 
+def partition_document(records: Sequence[dict], machine: dict) -> dict:
+    """The JSON document: ``{"machine", "results", "unavailable", "targets"}``
+    (``targets``: the target line of every pipeline depth and budget)."""
+    return {"machine": machine,
+            "results": [r for r in records if "unavailable" not in r],
+            "unavailable": [r for r in records if "unavailable" in r],
+            "targets": [target_line(pp, fraction, rows, budget)
+                        for (pp, fraction), (budget, rows) in comparison(records).items()]}
+
+
 def write_partition_png(path: str, records: Sequence[dict], machine: dict) -> None:
     """Step time of every row, one group per budget, one panel per pipeline depth;
     a row that does not fit the budget is marked."""
@@ -164,7 +175,7 @@ def write_partition_png(path: str, records: Sequence[dict], machine: dict) -> No
     depths = sorted({pp for pp, _ in groups})
     if not depths:
         return
-    figure, axes = plt.subplots(1, len(depths), figsize=(6.5 * len(depths), 4.6), squeeze=False)
+    figure, axes = plt.subplots(1, len(depths), figsize=(6.5 * len(depths), 5.0), squeeze=False)
     colors = {key: f"C{i}" for i, key in enumerate(ROW_ORDER)}
     for axis, pp in zip(axes[0], depths):
         fractions = sorted(f for p, f in groups if p == pp)
@@ -186,9 +197,10 @@ def write_partition_png(path: str, records: Sequence[dict], machine: dict) -> No
         axis.set_ylabel("step time, ms (median)")
         axis.set_title(f"pp = {pp}")
         axis.grid(axis="y", alpha=0.3)
-        axis.legend(fontsize=7)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="lower center", ncol=len(ROW_ORDER), fontsize=8, frameon=False)
     title = f"Planned partition against DeepSpeed's ({machine['model']}; {machine['device']})"
     figure.suptitle(textwrap.fill(title, width=int(14 * figure.get_figwidth())), fontsize=9)
-    figure.tight_layout()
+    figure.tight_layout(rect=(0, 0.07, 1, 1))
     figure.savefig(path, dpi=120)
     plt.close(figure)
