@@ -104,6 +104,13 @@ from fractions import Fraction
 from itertools import accumulate
 from typing import Iterable, Sequence
 
+# Allocations too small for the model to place (the loss, its scalars, the engine's
+# small tensors) vary a little between steps: the planners count this share of the
+# peak (the stage planner: of its measuring step's; the partition planner: of the
+# budget) in every plan, at least SMALL_ALLOCATIONS_MIN_BYTES.
+SMALL_ALLOCATIONS_SHARE = 0.01
+SMALL_ALLOCATIONS_MIN_BYTES = 4096
+
 __all__ = [
     "LayerProfile",
     "StageProblem",

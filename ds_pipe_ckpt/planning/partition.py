@@ -54,8 +54,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from .cost_model import LayerProfile, StageProblem, gradients_as_base
-from .stage import SMALL_ALLOCATIONS_MIN_BYTES, SMALL_ALLOCATIONS_SHARE
+from .cost_model import (SMALL_ALLOCATIONS_MIN_BYTES, SMALL_ALLOCATIONS_SHARE, LayerProfile, StageProblem,
+                         gradients_as_base)
 from .solver import InfeasibleBudgetError, StagePlan, plan_stage
 
 __all__ = ["PartitionPlan", "PartitionProblem", "InfeasiblePartitionError", "plan_partition", "plan_cut"]

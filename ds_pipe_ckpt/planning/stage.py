@@ -56,8 +56,8 @@ from .. import memory
 from ..errors import ConfigError
 from ..selective import ops_to_keep
 from ..settings import current_settings
-from .cost_model import (ChainCosts, Decision, LayerProfile, Segment, StageProblem, gradients_as_base,
-                         predicted_peak_bytes)
+from .cost_model import (SMALL_ALLOCATIONS_MIN_BYTES, SMALL_ALLOCATIONS_SHARE, ChainCosts, Decision, LayerProfile,
+                         Segment, StageProblem, gradients_as_base, predicted_peak_bytes)
 from .profile import LayerMeter, StorageLedger, tensor_bytes
 from .planned import PlannedStage
 from .solver import InfeasibleBudgetError, plan_stage
@@ -71,11 +71,6 @@ FORWARD_ENDS = "ds_pipe_ckpt: forward end"
 BACKWARD_BEGINS = "ds_pipe_ckpt: first recomputation"
 MIB = 2**20
 MAX_CALIBRATIONS = 2  # plans made again after a measured step that did not fit the prediction
-# Allocations too small for the model to place (the loss, its scalars, the engine's
-# small tensors) vary a little between steps: counted in every plan as this share of
-# the measuring step's peak, at least SMALL_ALLOCATIONS_MIN_BYTES.
-SMALL_ALLOCATIONS_SHARE = 0.01
-SMALL_ALLOCATIONS_MIN_BYTES = 4096
 # max_memory_mb "auto": a CUDA device's capacity less this share, for what the
 # caching allocator's counters do not see: the CUDA context, NCCL's buffers and
 # the allocator's fragmentation.

@@ -38,10 +38,13 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from examples.sampling import GlobalBatchSampler
+
 __all__ = [
     "STDLIB_FILES",
     "Corpus",
     "build_corpus",
+    "first_micro_batches",
     "corpus_path",
     "load_corpus",
     "micro_batches",
@@ -231,3 +234,16 @@ def micro_batches(corpus: Corpus, batches: Sequence[list[int]] | Sampler[list[in
     for indices in batches:
         windows = corpus.tokens[torch.tensor(indices)[:, None] * context + span].long()
         yield windows[:, :-1], windows[:, 1:]
+
+
+def first_micro_batches(corpus: Corpus, config: dict, context: int,
+                        seed: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Micro-batches of the DeepSpeed ``config``'s size as the first
+    data-parallel rank draws them first (a planned partition profiles the
+    layers on one), or None when the config gives no
+    ``train_micro_batch_size_per_gpu``."""
+    micro = config.get("train_micro_batch_size_per_gpu")
+    if micro is None:
+        return None
+    return micro_batches(corpus, GlobalBatchSampler(corpus.num_windows(context), micro, 1, 1, 0, 1, seed=seed),
+                         context)

@@ -47,9 +47,9 @@ import torch.distributed as dist  # noqa: E402
 from ds_pipe_ckpt.memory import track_cpu_allocations  # noqa: E402
 from examples.launching import add_launch_arguments, check_launch_arguments, save_parameters  # noqa: E402
 from examples.sampling import GlobalBatchSampler  # noqa: E402
-from examples.gpt.data import Corpus, load_corpus, micro_batches  # noqa: E402
-from examples.training import (add_progress_arguments, load_json_config, pipeline_topology,  # noqa: E402
-                               rank0_first, topology_text, train_run)
+from examples.gpt.data import Corpus, first_micro_batches, load_corpus, micro_batches  # noqa: E402
+from examples.training import (add_progress_arguments, load_json_config, partition_settings,  # noqa: E402
+                               pipeline_topology, rank0_first, topology_text, train_run)
 from examples.gpt.engine import DEFAULT_PARTITION_METHOD, build_engine  # noqa: E402
 from examples.gpt.model import GPTConfig  # noqa: E402
 from examples.gpt.report import RunResult, summary_line, write_outputs  # noqa: E402
@@ -96,8 +96,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def train_one(config_path: str, args: argparse.Namespace, topology, corpus: Corpus) -> RunResult:
     """Train ``args.steps`` steps with the config at ``config_path``."""
     config = load_json_config(config_path)
+    method, planning = partition_settings(config, args.partition_method,
+                                          first_micro_batches(corpus, config, args.context, args.seed))
     engine = build_engine(config, args.model, topology, seed=args.seed, dropout_seed=args.dropout_seed,
-                          partition_method=args.partition_method)
+                          partition_method=method, partition_planning=planning)
     rank = dist.get_rank()
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     dp = topology.get_dim("data")

@@ -52,12 +52,13 @@ import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from ds_pipe_ckpt.memory import track_cpu_allocations  # noqa: E402
-from examples.gpt.data import Corpus, micro_batches  # noqa: E402
+from examples.gpt.data import Corpus, first_micro_batches, micro_batches  # noqa: E402
 from examples.launching import add_launch_arguments, check_launch_arguments, save_parameters  # noqa: E402
 from examples.outputs import write_loss_outputs  # noqa: E402
 from examples.sampling import GlobalBatchSampler  # noqa: E402
-from examples.training import (RunResult, add_progress_arguments, load_json_config, pipeline_topology,  # noqa: E402
-                               rank0_first, summary_line, topology_text, train_run)
+from examples.training import (RunResult, add_progress_arguments, load_json_config,  # noqa: E402
+                               partition_settings, pipeline_topology, rank0_first, summary_line,
+                               topology_text, train_run)
 from examples.llama.data import load_tokens  # noqa: E402
 from examples.llama.engine import DEFAULT_PARTITION_METHOD, build_engine  # noqa: E402
 from examples.llama.model import ATTENTION_IMPLEMENTATIONS, small_config  # noqa: E402
@@ -127,8 +128,11 @@ def _check_vocabulary(corpus: Corpus, vocab_size: int) -> None:
 def train_one(config_path: str, args: argparse.Namespace, topology, corpus: Corpus) -> RunResult:
     """Train ``args.steps`` steps with the config at ``config_path``."""
     config = load_json_config(config_path)
+    method, planning = partition_settings(config, args.partition_method,
+                                          first_micro_batches(corpus, config, args.context, args.seed))
     engine, loaded = build_engine(config, args.model, topology, seed=args.seed, pretrained=args.from_pretrained,
-                                  dropout_seed=args.dropout_seed, partition_method=args.partition_method)
+                                  dropout_seed=args.dropout_seed, partition_method=method,
+                                  partition_planning=planning)
     rank = dist.get_rank()
     if loaded is not None and engine.grid.get_data_parallel_rank() == 0:
         print(f"{LABEL}: stage {engine.stage_id} loaded {len(loaded.names)} tensors ({loaded.bytes / 2**20:.1f} MiB) "

@@ -46,7 +46,7 @@ SEED = 0
 BASELINE = "none"
 # (pp, mp) -> the configs its launch trains, baseline first.
 LAUNCHES = {
-    (2, 1): (BASELINE, "reentrant", "non_reentrant", "selective", "cpu_offload", "planned"),
+    (2, 1): (BASELINE, "reentrant", "non_reentrant", "selective", "cpu_offload", "planned", "planned_partition"),
     (2, 2): (BASELINE, "non_reentrant_partitioned"),
 }
 LAUNCH_TIMEOUT = 300  # seconds; about 25 s (2 ranks) and 40 s (4 ranks) on 2 idle cores
@@ -93,7 +93,8 @@ def test_checkpointing_reproduces_training_without_it(launches, pp, mp, name):
     launch = launches.get((pp, mp))
     baseline, run = launch.run(BASELINE), launch.run(name)
     assert (baseline["checkpointing"], baseline["checkpoint_interval"]) == ("none", 0)
-    expected = {"reentrant": ("reentrant", 1), "planned": ("planned", 0)}.get(name, ("non_reentrant", 1))
+    expected = {"reentrant": ("reentrant", 1), "planned": ("planned", 0),
+                "planned_partition": ("planned", 0)}.get(name, ("non_reentrant", 1))
     assert (run["checkpointing"], run["checkpoint_interval"]) == expected, run
     assert run["policy"] == ("selective" if name == "selective" else None)
     assert run["partition_activations"] == (name == "non_reentrant_partitioned")
@@ -101,6 +102,17 @@ def test_checkpointing_reproduces_training_without_it(launches, pp, mp, name):
 
     assert len(run["losses"]) == STEPS
     assert run["losses"] == baseline["losses"], _first_difference(run["losses"], baseline["losses"])
+    assert run["partition_method"] == ("planned" if name == "planned_partition" else "type:Block")
+    if name == "planned_partition":
+        # Cut elsewhere: the same parameters, held by other ranks. The tied
+        # gradient is the sum of the two stages' parts either way (two terms:
+        # the same in any order), so still bit for bit.
+        ranks = range(pp * mp)
+        expected = {k: v for rank in ranks for k, v in launch.params(BASELINE, rank).items()}
+        actual = {k: v for rank in ranks for k, v in launch.params(name, rank).items()}
+        assert actual.keys() == expected.keys()
+        assert not [key for key in expected if not torch.equal(actual[key], expected[key])]
+        return
     for rank in range(pp * mp):
         expected, actual = launch.params(BASELINE, rank), launch.params(name, rank)
         assert actual.keys() == expected.keys()
