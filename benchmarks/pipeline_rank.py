@@ -78,7 +78,7 @@ def _build_run(mode: PipelineMode, layout: Layout, preset: Preset, corpus: Corpu
 
 def _partition_fields(module: Any) -> dict:
     """How the stages were cut, and the planned partition's model of the step."""
-    fields = {"partition_method": module.__dict__.get("partition_method"), "parts": [int(p) for p in module.parts]}
+    fields = {"partition_method": module.partition_method, "parts": [int(p) for p in module.parts]}
     plan = getattr(module, "partition_plan", None)
     if plan is not None:
         fields["partition_plan"] = {

@@ -118,7 +118,7 @@ def _check_partition(model: Any, param_dict: dict) -> None:
                               "null unless pipeline.partition_method is \"planned\"",
                               "Only the planned partition profiles the layers.")
         return
-    built = model.__dict__.get("partition_method") if isinstance(model, PipelineModule) else None
+    built = model.partition_method if isinstance(model, PipelineModule) else None
     if not isinstance(method, str) or built is None or built.lower() != method.lower():
         raise ConfigError("pipeline.partition_method", method,
                           f"the method the PipelineModule was cut with ({built!r})" if built is not None else

@@ -38,7 +38,6 @@ __all__ = [
     "gather_peaks",
     "load_json_config",
     "make_progress",
-    "partition_settings",
     "pipeline_topology",
     "rank0_first",
     "summary_line",
@@ -82,17 +81,6 @@ def checkpointing_mode(engine: Any) -> str:
     if module.planning_enabled:
         return "planned"
     return "none" if module.activation_checkpoint_interval == 0 else module.checkpoint_mode
-
-
-def partition_settings(config: dict, default: str, sample: Iterator | None = None) -> tuple[str, Any]:
-    """The ``PipelineModule``'s ``partition_method`` and ``partition_planning``:
-    the config's ``pipeline.partition_method`` (``ds_pipe_ckpt.partition_from_config``),
-    else ``default`` (the command line's). ``"planned"`` profiles the layers
-    and the loss on the first ``(inputs, labels)`` micro-batch of ``sample``,
-    drawn only then."""
-    method = (config.get("pipeline") or {}).get("partition_method", default)
-    inputs, labels = next(sample) if method == "planned" and sample is not None else (None, None)
-    return ds_pipe_ckpt.partition_from_config(config, default=default, sample=inputs, labels=labels)
 
 
 def load_json_config(path: str | Path) -> dict:
@@ -242,7 +230,7 @@ def train_run(engine: Any, batches: Iterator, *, config_path: str | Path, config
                        partition_activations=settings.partition_activations,
                        cpu_checkpointing=settings.cpu_checkpointing,
                        checkpoint_interval=engine.module.activation_checkpoint_interval,
-                       partition_method=str(engine.module.__dict__.get("partition_method", "")),
+                       partition_method=engine.module.partition_method,
                        stage_boundaries=[int(b) for b in engine.module.parts], memory_step=memory_step)
     bar = make_progress(steps, f"{progress_label} {result.name}", enabled=show_progress and dist.get_rank() == 0,
                         log_every=log_every)

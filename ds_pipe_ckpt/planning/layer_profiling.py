@@ -189,12 +189,11 @@ def _profile_loss(loss_fn: Callable[..., Any], output: Any, labels: Any, device:
     Raises:
         ValueError: the loss is not a tensor that requires grad.
     """
-    labels = tuple(v.to(device) if isinstance(v, torch.Tensor) else v
-                   for v in (labels if isinstance(labels, tuple) else (labels, )))
-    labels = labels if len(labels) > 1 else labels[0]
-    outputs = output if isinstance(output, tuple) else (output, )
-    ledger = StorageLedger([t for t in (*outputs, *(labels if isinstance(labels, tuple) else (labels, )))
-                            if isinstance(t, torch.Tensor)])
+    packed = isinstance(labels, tuple)
+    labels = tuple(v.to(device) if isinstance(v, torch.Tensor) else v for v in (labels if packed else (labels, )))
+    inputs = (*(output if isinstance(output, tuple) else (output, )), *labels)
+    labels = labels if packed else labels[0]
+    ledger = StorageLedger([t for t in inputs if isinstance(t, torch.Tensor)])
     saved = 0
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,7 @@ __all__ = [
     "STDLIB_FILES",
     "Corpus",
     "build_corpus",
-    "first_micro_batches",
+    "first_micro_batch",
     "corpus_path",
     "load_corpus",
     "micro_batches",
@@ -236,14 +236,14 @@ def micro_batches(corpus: Corpus, batches: Sequence[list[int]] | Sampler[list[in
         yield windows[:, :-1], windows[:, 1:]
 
 
-def first_micro_batches(corpus: Corpus, config: dict, context: int,
-                        seed: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]] | None:
-    """Micro-batches of the DeepSpeed ``config``'s size as the first
-    data-parallel rank draws them first (a planned partition profiles the
-    layers on one), or None when the config gives no
-    ``train_micro_batch_size_per_gpu``."""
+def first_micro_batch(corpus: Corpus, config: dict, context: int,
+                      seed: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The first ``(inputs, labels)`` micro-batch of the DeepSpeed ``config``'s
+    size, as the first data-parallel rank draws it (a planned partition
+    profiles the layers and the loss on it), or ``(None, None)`` when the
+    config gives no ``train_micro_batch_size_per_gpu``."""
     micro = config.get("train_micro_batch_size_per_gpu")
     if micro is None:
-        return None
-    return micro_batches(corpus, GlobalBatchSampler(corpus.num_windows(context), micro, 1, 1, 0, 1, seed=seed),
-                         context)
+        return None, None
+    sampler = GlobalBatchSampler(corpus.num_windows(context), micro, 1, 1, 0, 1, seed=seed)
+    return next(micro_batches(corpus, sampler, context))

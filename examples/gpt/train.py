@@ -44,12 +44,13 @@ if __package__ in (None, ""):  # run as a script: make ``examples.gpt`` importab
 import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from ds_pipe_ckpt import partition_from_config  # noqa: E402
 from ds_pipe_ckpt.memory import track_cpu_allocations  # noqa: E402
 from examples.launching import add_launch_arguments, check_launch_arguments, save_parameters  # noqa: E402
 from examples.sampling import GlobalBatchSampler  # noqa: E402
-from examples.gpt.data import Corpus, first_micro_batches, load_corpus, micro_batches  # noqa: E402
-from examples.training import (add_progress_arguments, load_json_config, partition_settings,  # noqa: E402
-                               pipeline_topology, rank0_first, topology_text, train_run)
+from examples.gpt.data import Corpus, first_micro_batch, load_corpus, micro_batches  # noqa: E402
+from examples.training import (add_progress_arguments, load_json_config, pipeline_topology,  # noqa: E402
+                               rank0_first, topology_text, train_run)
 from examples.gpt.engine import DEFAULT_PARTITION_METHOD, build_engine  # noqa: E402
 from examples.gpt.model import GPTConfig  # noqa: E402
 from examples.gpt.report import RunResult, summary_line, write_outputs  # noqa: E402
@@ -96,8 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def train_one(config_path: str, args: argparse.Namespace, topology, corpus: Corpus) -> RunResult:
     """Train ``args.steps`` steps with the config at ``config_path``."""
     config = load_json_config(config_path)
-    method, planning = partition_settings(config, args.partition_method,
-                                          first_micro_batches(corpus, config, args.context, args.seed))
+    # The config's pipeline.partition_method wins over --partition-method.
+    inputs, labels = first_micro_batch(corpus, config, args.context, args.seed)
+    method, planning = partition_from_config(config, default=args.partition_method, sample=inputs, labels=labels)
     engine = build_engine(config, args.model, topology, seed=args.seed, dropout_seed=args.dropout_seed,
                           partition_method=method, partition_planning=planning)
     rank = dist.get_rank()

@@ -51,14 +51,14 @@ if __package__ in (None, ""):  # run as a script: make ``examples.llama`` import
 import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from ds_pipe_ckpt import partition_from_config  # noqa: E402
 from ds_pipe_ckpt.memory import track_cpu_allocations  # noqa: E402
-from examples.gpt.data import Corpus, first_micro_batches, micro_batches  # noqa: E402
+from examples.gpt.data import Corpus, first_micro_batch, micro_batches  # noqa: E402
 from examples.launching import add_launch_arguments, check_launch_arguments, save_parameters  # noqa: E402
 from examples.outputs import write_loss_outputs  # noqa: E402
 from examples.sampling import GlobalBatchSampler  # noqa: E402
-from examples.training import (RunResult, add_progress_arguments, load_json_config,  # noqa: E402
-                               partition_settings, pipeline_topology, rank0_first, summary_line,
-                               topology_text, train_run)
+from examples.training import (RunResult, add_progress_arguments, load_json_config, pipeline_topology,  # noqa: E402
+                               rank0_first, summary_line, topology_text, train_run)
 from examples.llama.data import load_tokens  # noqa: E402
 from examples.llama.engine import DEFAULT_PARTITION_METHOD, build_engine  # noqa: E402
 from examples.llama.model import ATTENTION_IMPLEMENTATIONS, small_config  # noqa: E402
@@ -128,8 +128,9 @@ def _check_vocabulary(corpus: Corpus, vocab_size: int) -> None:
 def train_one(config_path: str, args: argparse.Namespace, topology, corpus: Corpus) -> RunResult:
     """Train ``args.steps`` steps with the config at ``config_path``."""
     config = load_json_config(config_path)
-    method, planning = partition_settings(config, args.partition_method,
-                                          first_micro_batches(corpus, config, args.context, args.seed))
+    # The config's pipeline.partition_method wins over --partition-method.
+    inputs, labels = first_micro_batch(corpus, config, args.context, args.seed)
+    method, planning = partition_from_config(config, default=args.partition_method, sample=inputs, labels=labels)
     engine, loaded = build_engine(config, args.model, topology, seed=args.seed, pretrained=args.from_pretrained,
                                   dropout_seed=args.dropout_seed, partition_method=method,
                                   partition_planning=planning)
