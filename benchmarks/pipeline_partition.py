@@ -97,10 +97,10 @@ def _tagged(records: list[dict], row: _Row, pp: int, fraction: float, budget: in
             for r in records if r.get("pp") == pp and r.get("mode") == row.mode.name]
 
 
-def _unavailable(row: _Row, pp: int, fraction: float, budget: int, reason: str) -> dict:
-    return {"pp": pp, "mp": 1, "mode": row.mode.name, "rank": 0, "partition": row.partition,
-            "checkpointing": row.checkpointing, "budget_fraction": fraction, "budget_bytes": budget,
-            "row": f"{row.partition} + {row.checkpointing}", "unavailable": reason}
+def _unavailable(partition: str, checkpointing: str, pp: int, fraction: float, budget: int, reason: str) -> dict:
+    return {"pp": pp, "mp": 1, "mode": f"{partition}:{checkpointing}", "rank": 0, "partition": partition,
+            "checkpointing": checkpointing, "budget_fraction": fraction, "budget_bytes": budget,
+            "row": f"{partition} + {checkpointing}", "unavailable": reason}
 
 
 def partition_rows(pp: int, fractions: Sequence[float], blocks: int, launch: Launcher, profile_path: str,
@@ -118,6 +118,7 @@ def partition_rows(pp: int, fractions: Sequence[float], blocks: int, launch: Lau
         raise RuntimeError(f"pp={pp}: the {DEEPSPEED_PARTITIONS[0]} partition without checkpointing was not "
                            "measured; its peak sets the budgets")
     records = list(measured)
+    mode_of = {m.name: m for m in candidates}
     for fraction in fractions:
         budget = shared_budget(none, fraction)
         rows: list[_Row] = []
@@ -125,14 +126,11 @@ def partition_rows(pp: int, fractions: Sequence[float], blocks: int, launch: Lau
         for partition in DEEPSPEED_PARTITIONS:
             mine = [s for name, s in by_name.items() if name.startswith(f"{partition}:")]
             best = uniform_best(mine, {stage: budget for stage in none.peak_bytes_by_stage})
-            row = _Row(next(m for m in candidates if best is not None and m.name == best.mode)
-                       if best is not None else _on_partition(partition, PipelineMode("uniform_best", "")),
-                       partition, UNIFORM_BEST)
             if best is None:
-                missing.append(_unavailable(row, pp, fraction, budget, "no uniform interval (nor none) fits the "
-                                                                       "budget on every stage"))
+                missing.append(_unavailable(partition, UNIFORM_BEST, pp, fraction, budget,
+                                            "no uniform interval (nor none) fits the budget on every stage"))
             else:
-                rows.append(row)
+                rows.append(_Row(mode_of[best.mode], partition, UNIFORM_BEST))
         rows += [_Row(planner_mode(p, budget, fraction, profile_path), p, PLANNER)
                  for p in (*DEEPSPEED_PARTITIONS, PLANNED_PARTITION)]
         records += missing + _run_rows(rows, pp, fraction, budget, launch, root_error)
@@ -152,5 +150,6 @@ def _run_rows(rows: list[_Row], pp: int, fraction: float, budget: int, launch: L
         try:
             records += _tagged(launch(Layout(pp, 1, (row.mode.name,)), [row.mode]), row, pp, fraction, budget)
         except RankFailure as failure:
-            records.append(_unavailable(row, pp, fraction, budget, root_error(str(failure))))
+            records.append(_unavailable(row.partition, row.checkpointing, pp, fraction, budget,
+                                        root_error(str(failure))))
     return records

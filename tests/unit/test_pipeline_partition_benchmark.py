@@ -167,3 +167,16 @@ def test_the_command_line_needs_budgets_and_knows_the_vocabulary():
     assert _preset(_parser().parse_args(["--vocab", "1024"])).model.vocab_size == 1024
     with pytest.raises(ValueError, match="--vocab 64: the encoder model .* has no vocabulary"):
         _preset(_parser().parse_args(["--model", "encoder", "--vocab", "64"]))
+
+
+def test_a_budget_no_uniform_interval_fits_is_recorded_per_partition():
+    """At 0.3 x (3 MiB) no measured interval fits either partition: one
+    unavailable record each, and only the planners run."""
+    launcher = FakeLauncher()
+    records = partition_rows(2, [0.3], blocks=2, launch=launcher, profile_path="p.json",
+                             root_error=lambda report: report.splitlines()[-1])
+    missing = [r for r in records if r.get("checkpointing") == "uniform_best"]
+    assert [(r["mode"], r["unavailable"]) for r in missing] == [
+        ("parameters:uniform_best", "no uniform interval (nor none) fits the budget on every stage"),
+        ("uniform:uniform_best", "no uniform interval (nor none) fits the budget on every stage")]
+    assert launcher.launches[1] == ("parameters:planner", "uniform:planner", "planned:planner")
