@@ -150,7 +150,7 @@ class PipelineModule(_DSPipelineModule):
 
         names = [spec_name(spec) for spec in self._layer_specs]
         plan, _, note = planned_partition(self._layer_specs, names, self.num_stages, self._partition_planning,
-                                          loss_fn=self.loss_fn)
+                                          loss_fn=self.loss_fn, data_parallel_size=self._topo.get_dim("data"))
         self.__dict__["partition_plan"] = plan
         self.__dict__["partition_profile_source"] = note
         self.parts = list(plan.boundaries)
