@@ -18,7 +18,9 @@ set; ``ds_pipe_ckpt.initialize`` creates it through
    ``PipelineModule.checkpoint_plan``, and followed from this step on: each
    segment is stored, checkpointed, or checkpointed selectively. A budget no
    plan fits raises :class:`~ds_pipe_ckpt.ConfigError` naming the smallest
-   budget that fits.
+   budget that fits, on every rank of the job at once (the planning is
+   agreed at each step start where a stage may plan, :mod:`.agreement`), so
+   that no stage is left waiting for one that stopped.
 3. **The first planned step: check.** Its peak memory (bytes above the step's
    start, by :mod:`ds_pipe_ckpt.memory`) is measured and compared with the
    prediction. The step starts where DeepSpeed's ``train_batch()`` calls
@@ -59,6 +61,7 @@ from ..settings import current_settings
 from .cost_model import (SMALL_ALLOCATIONS_MIN_BYTES, SMALL_ALLOCATIONS_SHARE, ChainCosts, Decision, LayerProfile,
                          Segment, StageProblem, gradients_as_base, predicted_peak_bytes)
 from .profile import LayerMeter, StorageLedger, tensor_bytes
+from .agreement import agree
 from .planned import PlannedStage
 from .solver import InfeasibleBudgetError, plan_stage
 
@@ -145,6 +148,9 @@ class StagePlanner:
         self._step_end_hook: Any = None
         self._checked = False
         self._replan_from: PlannedStage | None = None  # a checked plan to make again at the next step's start
+        # Whether this step start's planning is agreed with every rank (planning.agreement):
+        # from the step after the measuring step, while any rank may still plan.
+        self._agreement_due = False
         self._step_begun = False  # module.train() began the step before its first forward
         self._measuring_step = False  # the tracked step is the measuring step, not a planned one
         self.measuring_step_peak_bytes: int | None = None  # the whole measuring step's peak
@@ -210,6 +216,7 @@ class StagePlanner:
                                  checkpointable=self._checkpointable(i), before_recomputation=self._backward_begins)
                       for i in range(layers)]
             self.measurement = _Measurement(meters, stage_input_bytes=tensor_bytes(inputs))
+            self._agreement_due = True  # every stage measures in the same step, and plans at the next one's start
             # Recomputations run to the end, so that the meters see every op.
             options = self._options("full", early_stop=False)
         else:
@@ -269,6 +276,31 @@ class StagePlanner:
         previous one (forwards, backwards, optimizer step) is complete on this stage."""
         if self._tracking is not None:
             self._finish_tracking()
+        error = None
+        try:
+            self._plan_if_due()
+        except Exception as raised:  # agreed below with every rank, then raised on all of them
+            if not self._agreement_due:
+                raise
+            error = raised
+        if self._agreement_due:
+            may_plan_again = self.planned is not None and not self._checked and error is None
+            self._agreement_due = agree(self.stage, error, may_plan_again)
+        measuring = self.measurement is None and self.forwards == self.micro_batches
+        if (measuring or (self.planned is not None and not self._checked)) and not torch.autograd._profiler_enabled():
+            # Garbage made before the step (reference cycles, which the collector
+            # frees at an arbitrary allocation) must not be freed inside the tracked
+            # step: its size would lower the measured peak. A few steps only.
+            gc.collect()
+            self._measuring_step = measuring
+            self._tracking = memory.track_memory(self.device)
+            self._tracker = self._tracking.__enter__()
+            # The step ends with the optimizer step (DeepSpeed's last instruction).
+            self._step_end_hook = register_optimizer_step_post_hook(lambda *_: self._finish_tracking())
+
+    def _plan_if_due(self) -> None:
+        """Plan again after a checked step that did not fit its prediction, or
+        for the first time after the measuring step."""
         if self._replan_from is not None:
             checked, self._replan_from = self._replan_from, None
             self.planned = self._plan()
@@ -281,17 +313,6 @@ class StagePlanner:
                 self._announce()
             else:
                 self._refuse_incomplete_measurement()
-        measuring = self.measurement is None and self.forwards == self.micro_batches
-        if (measuring or (self.planned is not None and not self._checked)) and not torch.autograd._profiler_enabled():
-            # Garbage made before the step (reference cycles, which the collector
-            # frees at an arbitrary allocation) must not be freed inside the tracked
-            # step: its size would lower the measured peak. A few steps only.
-            gc.collect()
-            self._measuring_step = measuring
-            self._tracking = memory.track_memory(self.device)
-            self._tracker = self._tracking.__enter__()
-            # The step ends with the optimizer step (DeepSpeed's last instruction).
-            self._step_end_hook = register_optimizer_step_post_hook(lambda *_: self._finish_tracking())
 
     def _refuse_incomplete_measurement(self) -> None:
         """The measuring step ended without every layer measured: say which, and
