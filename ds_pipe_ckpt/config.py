@@ -23,7 +23,11 @@ Keys read (all optional):
     planner of :mod:`ds_pipe_ckpt.planning` then chooses per layer what to
     store, checkpoint or checkpoint selectively) or ``max_memory_mb`` (the same
     planner, under the total memory a stage's device may hold: one number, one
-    per stage, or ``"auto"`` for a CUDA device's capacity less 10%).
+    per stage, or ``"auto"`` for a CUDA device's capacity less 10%); with a
+    budget and ``PipelineModule(dynamic_shape=True)`` (micro-batches of
+    variable length), ``max_sequence_length`` (the longest micro-batch the
+    data gives, along ``sequence_dim`` of the stage's tensors, default 1:
+    ``[batch, sequence, ...]``), which each stage plans every length up to.
 """
 
 from __future__ import annotations
@@ -112,15 +116,19 @@ class CheckpointingConfig:
     save_ops: tuple[str, ...] | None = None
     memory_budget_mb: float | tuple[float, ...] | None = None
     max_memory_mb: float | tuple[float, ...] | str | None = None
+    max_sequence_length: int | None = None
+    sequence_dim: int = 1
 
     def __post_init__(self):
         key_of = {f: (f"{PIPELINE}.{f}" if f == "use_reentrant" else f"{SECTION}.{f}")
                   for f in (x.name for x in dataclasses.fields(self))}
         for field in dataclasses.fields(self):
-            if field.name not in ("number_checkpoints", "policy", "save_ops", "memory_budget_mb", "max_memory_mb"):
+            if field.name not in ("number_checkpoints", "policy", "save_ops", "memory_budget_mb", "max_memory_mb",
+                                  "max_sequence_length", "sequence_dim"):
                 _require_bool(key_of[field.name], getattr(self, field.name))
         self._check_policy(key_of)
         self._check_budget(key_of)
+        self._check_lengths(key_of)
         n = self.number_checkpoints
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0):
             raise ConfigError(key_of["number_checkpoints"], n, "a positive integer or null")
@@ -199,6 +207,24 @@ class CheckpointingConfig:
             raise ConfigError(key_of["policy"], self.policy, f"\"full\" (the default) with {key.split('.')[1]}",
                               "With a budget the planner chooses, per segment, full or selective checkpointing "
                               "(save_ops still says what selective keeps).")
+
+    def _check_lengths(self, key_of: dict[str, str]) -> None:
+        length, dim = self.max_sequence_length, self.sequence_dim
+        if length is not None:
+            if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+                raise ConfigError(key_of["max_sequence_length"], length,
+                                  "a positive integer: the longest micro-batch along sequence_dim, or null")
+            if not self.plans:
+                raise ConfigError(key_of["max_sequence_length"], length,
+                                  "null unless memory_budget_mb or max_memory_mb is set",
+                                  "It says which micro-batch lengths a memory budget must hold for.")
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+            raise ConfigError(key_of["sequence_dim"], dim,
+                              "an integer >= 0: the dimension of a stage's tensors that holds the sequence "
+                              "(1 for [batch, sequence, ...], 0 for [sequence, batch, ...])")
+        if dim != 1 and length is None:
+            raise ConfigError(key_of["sequence_dim"], dim, "1 (the default) unless max_sequence_length is set",
+                              "sequence_dim says where max_sequence_length is measured.")
 
     @staticmethod
     def _of_stage(key: str, budget: Any, stage: int, num_stages: int) -> Any:
