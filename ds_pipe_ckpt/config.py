@@ -27,7 +27,8 @@ Keys read (all optional):
     budget and ``PipelineModule(dynamic_shape=True)`` (micro-batches of
     variable length), ``max_sequence_length`` (the longest micro-batch the
     data gives, along ``sequence_dim`` of the stage's tensors, default 1:
-    ``[batch, sequence, ...]``), which each stage plans every length up to.
+    ``[batch, sequence, ...]``), which each stage plans every length up to,
+    in ``length_buckets`` ranges (default 8; 1 plans once, for the longest).
 """
 
 from __future__ import annotations
@@ -118,13 +119,14 @@ class CheckpointingConfig:
     max_memory_mb: float | tuple[float, ...] | str | None = None
     max_sequence_length: int | None = None
     sequence_dim: int = 1
+    length_buckets: int = 8
 
     def __post_init__(self):
         key_of = {f: (f"{PIPELINE}.{f}" if f == "use_reentrant" else f"{SECTION}.{f}")
                   for f in (x.name for x in dataclasses.fields(self))}
         for field in dataclasses.fields(self):
             if field.name not in ("number_checkpoints", "policy", "save_ops", "memory_budget_mb", "max_memory_mb",
-                                  "max_sequence_length", "sequence_dim"):
+                                  "max_sequence_length", "sequence_dim", "length_buckets"):
                 _require_bool(key_of[field.name], getattr(self, field.name))
         self._check_policy(key_of)
         self._check_budget(key_of)
@@ -225,6 +227,14 @@ class CheckpointingConfig:
         if dim != 1 and length is None:
             raise ConfigError(key_of["sequence_dim"], dim, "1 (the default) unless max_sequence_length is set",
                               "sequence_dim says where max_sequence_length is measured.")
+        buckets = self.length_buckets
+        if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1:
+            raise ConfigError(key_of["length_buckets"], buckets,
+                              "a positive integer: how many length ranges up to max_sequence_length are planned "
+                              "apart (1: one plan, made for the longest)")
+        if buckets != 8 and length is None:
+            raise ConfigError(key_of["length_buckets"], buckets, "8 (the default) unless max_sequence_length is set",
+                              "length_buckets splits the lengths up to max_sequence_length.")
 
     @staticmethod
     def _of_stage(key: str, budget: Any, stage: int, num_stages: int) -> Any:

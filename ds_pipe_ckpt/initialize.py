@@ -82,7 +82,8 @@ def initialize(args: Any = None,
                               known_buffers=_known_buffers(engine),
                               max_memory_bytes=settings.config.max_memory_bytes(stage, stages),
                               max_sequence_length=settings.config.max_sequence_length,
-                              sequence_dim=settings.config.sequence_dim)
+                              sequence_dim=settings.config.sequence_dim,
+                              length_buckets=settings.config.length_buckets)
     return result
 
 

@@ -273,7 +273,7 @@ class PipelineModule(_DSPipelineModule):
 
     def enable_planning(self, budget_bytes: int | None, micro_batches: int, known_buffers: tuple = (),
                         max_memory_bytes: int | str | None = None, max_sequence_length: int | None = None,
-                        sequence_dim: int = 1) -> None:
+                        sequence_dim: int = 1, length_buckets: int = 8) -> None:
         """Choose per layer what to checkpoint under a per-stage memory budget
         (``activation_checkpointing.memory_budget_mb`` or ``max_memory_mb``;
         ``ds_pipe_ckpt.initialize`` calls this). See :mod:`ds_pipe_ckpt.planning`.
@@ -295,7 +295,8 @@ class PipelineModule(_DSPipelineModule):
             max_sequence_length: with ``dynamic_shape=True`` (required then),
                 the longest micro-batch along ``sequence_dim`` of the stage's
                 tensors: every length up to it is planned, so that any mix in
-                flight keeps the budget (:mod:`ds_pipe_ckpt.planning.shapes`).
+                flight keeps the budget (:mod:`ds_pipe_ckpt.planning.shapes`), in
+                ``length_buckets`` ranges (1: one plan, for the longest).
         """
         from .planning.shapes import SequenceLengths  # the planner is optional machinery
         from .planning.stage import StagePlanner
@@ -321,7 +322,7 @@ class PipelineModule(_DSPipelineModule):
             if not self.dynamic_shape:
                 raise ConfigError("activation_checkpointing.max_sequence_length", max_sequence_length,
                                   "null unless the PipelineModule is built with dynamic_shape=True")
-            lengths = SequenceLengths(max_sequence_length, sequence_dim)
+            lengths = SequenceLengths(max_sequence_length, sequence_dim, length_buckets)
         self.__dict__["_planner"] = StagePlanner(self, budget_bytes=budget_bytes, micro_batches=micro_batches,
                                                  known_buffers=tuple(known_buffers),
                                                  max_memory_bytes=max_memory_bytes, lengths=lengths)

@@ -9,8 +9,8 @@ data can give, which the user declares:
 dimension of the stage's tensors that holds the sequence: 1 for batch-first
 ``[batch, sequence, ...]``, 0 for Megatron's ``[sequence, batch, ...]``).
 
-The lengths from 1 to the maximum are cut into :data:`LENGTH_BUCKETS` equal
-buckets. Each bucket is planned once, for its longest length (its *edge*),
+The lengths from 1 to the maximum are cut into ``length_buckets`` equal
+buckets (:data:`LENGTH_BUCKETS` by default; 1 plans once, for the longest). Each bucket is planned once, for its longest length (its *edge*),
 from the stage's layers measured at that very length: activations grow
 linearly with the length in most layers and quadratically in eager
 attention, and measuring at each edge assumes neither, only that a layer
@@ -51,7 +51,7 @@ class SequenceLengths:
         if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 0:
             raise ConfigError(DIM_KEY, self.dim, "an integer >= 0 (1: [batch, sequence, ...])")
         if isinstance(self.buckets, bool) or not isinstance(self.buckets, int) or self.buckets < 1:
-            raise ValueError(f"buckets must be a positive int, got {self.buckets!r}")
+            raise ConfigError(f"{SECTION}.length_buckets", self.buckets, "a positive integer")
 
     @property
     def edges(self) -> tuple[int, ...]:

@@ -96,6 +96,8 @@ def test_a_micro_batch_over_the_maximum_is_named_before_its_forward():
     ({"memory_budget_mb": 10, "max_sequence_length": 0}, "max_sequence_length = 0 is invalid: expected a positive"),
     ({"memory_budget_mb": 10, "max_sequence_length": 64, "sequence_dim": -1}, "sequence_dim = -1 is invalid"),
     ({"memory_budget_mb": 10, "sequence_dim": 0}, "sequence_dim = 0 is invalid: expected 1 .* unless max_seq"),
+    ({"memory_budget_mb": 10, "max_sequence_length": 64, "length_buckets": 0}, "length_buckets = 0 is invalid"),
+    ({"memory_budget_mb": 10, "length_buckets": 4}, "length_buckets = 4 is invalid: expected 8 .* unless max_seq"),
 ])
 def test_bad_length_keys_are_named(section, match):
     with pytest.raises(ConfigError, match=match):
@@ -127,6 +129,7 @@ def test_buckets_cover_every_length_up_to_the_maximum():
     assert lengths.edges == (13, 25, 38, 50, 63, 75, 88, 100)
     assert [lengths.edge_for(n, "here") for n in (1, 13, 14, 99, 100)] == [13, 13, 25, 100, 100]
     assert SequenceLengths(3).edges == (1, 2, 3)
+    assert SequenceLengths(100, buckets=1).edges == (100, )  # one plan, made for the longest
     with pytest.raises(ConfigError, match="max_sequence_length = 100 .* here received one of 101 along dimension 1"):
         lengths.edge_for(101, "here")
 
