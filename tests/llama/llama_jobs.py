@@ -41,16 +41,18 @@ def _train(engine, topology, inputs: torch.Tensor, targets: torch.Tensor, steps:
     sampler = GlobalBatchSampler(len(inputs), MICRO_BATCH, engine.gradient_accumulation_steps(), dp,
                                  engine.grid.get_data_parallel_rank(), steps, seed=0)
     batches = ((inputs[indices], targets[indices]) for indices in sampler)
-    losses, peak = [], 0
-    for step in range(1, steps + 1):
-        if step == measure_step:
-            gc.collect()
-            with track_memory("cpu") as tracker:
-                losses.append(float(engine.train_batch(data_iter=batches)))
-            peak = tracker.report.peak_bytes
-        else:
-            losses.append(float(engine.train_batch(data_iter=batches)))
-    return losses, peak
+    steps = [_step(engine, batches, measured=step == measure_step) for step in range(1, steps + 1)]
+    return [loss for loss, _ in steps], max(peak or 0 for _, peak in steps)
+
+
+def _step(engine, batches, measured: bool) -> tuple[float, int | None]:
+    """One ``train_batch``: its loss, and its peak bytes when ``measured``."""
+    if not measured:
+        return float(engine.train_batch(data_iter=batches)), None
+    gc.collect()
+    with track_memory("cpu") as tracker:
+        loss = float(engine.train_batch(data_iter=batches))
+    return loss, tracker.report.peak_bytes
 
 
 def _stage_peaks(peak: int, stage: int, pp: int) -> list[int]:
@@ -156,31 +158,16 @@ def lora_steps(fraction: float, steps: int) -> dict:
     track_cpu_allocations()
     engine = lora_engine(None)
     data = _token_batches(steps)
-    losses, peak = [], 0
-    for step in range(steps):
-        if step == 2:
-            gc.collect()
-            with track_memory("cpu") as tracker:
-                losses.append(float(engine.train_batch(data_iter=data)))
-            peak = tracker.report.peak_bytes
-        else:
-            losses.append(float(engine.train_batch(data_iter=data)))
+    none = [_step(engine, data, measured=step == 2) for step in range(steps)]
+    losses, peak = [loss for loss, _ in none], none[2][1]
     stage = engine.stage_id
     budgets = [round(fraction * p / 2**20, 4) for p in _stage_peaks(peak, stage, 2)]
     del engine
     gc.collect()
     engine = lora_engine({"memory_budget_mb": budgets})
     data = _token_batches(steps)
-    planned_losses, peaks = [], []
-    for step in range(steps):
-        if step < 3:  # the planner measures these steps itself
-            planned_losses.append(float(engine.train_batch(data_iter=data)))
-            peaks.append(None)
-            continue
-        gc.collect()
-        with track_memory("cpu") as tracker:
-            planned_losses.append(float(engine.train_batch(data_iter=data)))
-        peaks.append(tracker.report.peak_bytes)
+    planned = [_step(engine, data, measured=step >= 3) for step in range(steps)]  # the planner measures 0-2
+    planned_losses, peaks = [loss for loss, _ in planned], [peak for _, peak in planned]
     plan = engine.module.checkpoint_plan
     peaks[:3] = [plan.first_step_peak_bytes - plan.first_step_kept_bytes, plan.measuring_step_peak_bytes,
                  plan.measured_peak_bytes]
