@@ -346,9 +346,14 @@ class PipelineModule(_DSPipelineModule):
         """The loss, as given (DeepSpeed's engine calls ``module.loss_fn(outputs,
         labels)`` on the last stage). While the planner measures variable
         lengths, the call also shows it the measured micro-batch's labels."""
-        fn = self._modules["loss_fn"] if "loss_fn" in self._modules else self.__dict__.get("_loss_fn")
+        fn = self.given_loss_fn
         planner = self.__dict__.get("_planner")
         return fn if planner is None or fn is None else planner.observed_loss(fn)
+
+    @property
+    def given_loss_fn(self) -> Callable[..., Any] | None:
+        """The loss exactly as given (a module-valued loss is a submodule, as upstream registers it)."""
+        return self._modules["loss_fn"] if "loss_fn" in self._modules else self.__dict__.get("_loss_fn")
 
     @loss_fn.setter
     def loss_fn(self, fn: Callable[..., Any] | None) -> None:

@@ -328,7 +328,7 @@ class StagePlanner:
                 outputs = out if isinstance(out, tuple) else (out, )
                 if tracker is not None:
                     tracker.mark(FORWARD_ENDS)
-                loss_fn = self.module.__dict__.get("_loss_fn") or self.module._modules.get("loss_fn")
+                loss_fn = self.module.given_loss_fn
                 ends = (loss_fn(out, labels[0] if len(labels) == 1 else labels), ) if labels is not None else outputs
                 input_grads = backward_through(ends, [*parameters, *inputs])
                 if tracker is not None:
