@@ -779,8 +779,9 @@ class StagePlanner:
                 f"{predicted / MIB:.2f} MiB above the step's start; the step measured {measured / MIB:.2f} MiB "
                 f"({(predicted - measured) / measured:+.0%}) against a budget of {self.budget_bytes / MIB:.2f} MiB. "
                 f"{action} The memory model (what each layer saves, measured on one micro-batch, plus what the "
-                "measuring step showed beyond it) misses some of this stage's memory, e.g. shapes that vary "
-                "between micro-batches, or buffers that differ with the plan."), stacklevel=2)
+                "measuring step showed beyond it) misses some of this stage's memory, e.g. buffers that "
+                "differ with the plan or between steps, or, with micro-batches of variable length, what the "
+                "passes measured at each length could not show."), stacklevel=2)
         if calibrate:
             self.calibrations += 1
             self.unmodelled_bytes += measured - predicted
