@@ -5,7 +5,9 @@ one measured step, progress, per-stage peaks), its record and summary line.
 A run is ``steps`` calls of ``engine.train_batch()``. Every rank measures one of
 them (``memory_step``): its peak memory above what was allocated when the step
 began (:mod:`ds_pipe_ckpt.memory`); the peaks are gathered so that rank 0 knows
-every stage's. Rank 0 shows progress: a tqdm bar when stderr is a terminal, a
+every stage's. A planned run (a budget in ``activation_checkpointing``) has
+every step measured (:func:`step_peaks`) and each stage's budget recorded.
+Rank 0 shows progress: a tqdm bar when stderr is a terminal, a
 line every ``log_every`` steps otherwise (logs and CI keep no carriage-return
 updates).
 """
@@ -40,12 +42,17 @@ __all__ = [
     "make_progress",
     "pipeline_topology",
     "rank0_first",
+    "step_peaks",
     "summary_line",
     "topology_text",
     "train_run",
 ]
 
 MIB = 2**20
+# The planner measures the first three steps of a planned run itself (the first
+# step, the measuring step, the first planned step) and leaves alone a step that
+# another profiler measures: those are not wrapped in track_memory.
+PLANNER_STEPS = 3
 # Steps averaged for the "from -> to" loss in the summary line.
 _WINDOW = 10
 DEFAULT_LOG_EVERY = 10
@@ -171,6 +178,14 @@ class RunResult:
     allocated above what was allocated when the step began
     (:mod:`ds_pipe_ckpt.memory`), measured at step ``memory_step``.
     ``peak_memory_by_rank`` has every rank's figure, by global rank.
+
+    A run with a budget also has, per stage (as a string), its budget
+    (``budget_bytes_by_stage``, the plan's ``budget_bytes``), every step's peak
+    (``step_peaks_by_stage``, largest over the stage's ranks, :func:`step_peaks`;
+    ``None`` for a planner step the planner did not reach) and what step 1 left
+    allocated once (``first_step_kept_bytes_by_stage``, not counted in its
+    peak); ``steps_over_budget`` lists the steps (1-based) on which some stage
+    went over its budget. Without a budget these stay empty.
     """
 
     name: str
@@ -188,6 +203,10 @@ class RunResult:
     memory_step: int = 0
     peak_memory_by_stage: dict[str, int] = field(default_factory=dict)
     peak_memory_by_rank: dict[str, int] = field(default_factory=dict)
+    budget_bytes_by_stage: dict[str, int] = field(default_factory=dict)
+    step_peaks_by_stage: dict[str, list[int | None]] = field(default_factory=dict)
+    first_step_kept_bytes_by_stage: dict[str, int | None] = field(default_factory=dict)
+    steps_over_budget: list[int] = field(default_factory=list)
 
 
 def gather_peaks(peak_bytes: int, stage: int) -> tuple[dict[str, int], dict[str, int]]:
@@ -199,6 +218,45 @@ def gather_peaks(peak_bytes: int, stage: int) -> tuple[dict[str, int], dict[str,
         by_stage[str(record_stage)] = max(peak, by_stage.get(str(record_stage), peak))
     by_rank = {str(rank): peak for rank, _, peak in sorted(records)}
     return by_stage, by_rank
+
+
+def step_peaks(plan: Any, measured: list[int | None]) -> list[int | None]:
+    """Every step's peak of a planned run on this rank: ``measured`` (ours, by
+    step, ``None`` where not measured) with the first :data:`PLANNER_STEPS`
+    taken from ``plan`` (``module.checkpoint_plan``, ``None`` before any plan):
+    step 1 less what it allocates once (``first_step_kept_bytes``: DeepSpeed's
+    pipeline buffers, the optimizer's state), the measuring step, and the first
+    planned step (that of the first plan when the planner planned again)."""
+    peaks = list(measured)
+    if plan is None:
+        return [None if step < PLANNER_STEPS else peak for step, peak in enumerate(peaks)]
+    first = (None if plan.first_step_peak_bytes is None
+             else plan.first_step_peak_bytes - plan.first_step_kept_bytes)
+    checked = plan.earlier_checks[0][1] if plan.earlier_checks else plan.measured_peak_bytes
+    for step, peak in enumerate((first, plan.measuring_step_peak_bytes, checked)[:len(peaks)]):
+        peaks[step] = peak
+    return peaks
+
+
+def _record_budget(result: RunResult, plan: Any, stage: int, peaks: list[int | None]) -> None:
+    """Gather every stage's budget (from its ``plan``) and step ``peaks``
+    (:func:`step_peaks`) into ``result``, on every rank."""
+    mine = (stage, None if plan is None else plan.budget_bytes, peaks,
+            None if plan is None else plan.first_step_kept_bytes)
+    records: list = [None] * dist.get_world_size()
+    dist.all_gather_object(records, mine)
+    for record_stage, budget, peaks, kept in records:
+        key = str(record_stage)
+        if budget is not None:
+            result.budget_bytes_by_stage[key] = budget
+        result.first_step_kept_bytes_by_stage[key] = kept
+        known = result.step_peaks_by_stage.get(key, [None] * len(peaks))
+        result.step_peaks_by_stage[key] = [a if b is None else b if a is None else max(a, b)
+                                           for a, b in zip(known, peaks)]
+    result.steps_over_budget = sorted({
+        step for key, peaks in result.step_peaks_by_stage.items() if key in result.budget_bytes_by_stage
+        for step, peak in enumerate(peaks, start=1)
+        if peak is not None and peak > result.budget_bytes_by_stage[key]})
 
 
 def _train_step(engine: Any, batches: Iterator, measure: bool) -> tuple[float, int]:
@@ -216,7 +274,8 @@ def train_run(engine: Any, batches: Iterator, *, config_path: str | Path, config
               log_every: int = DEFAULT_LOG_EVERY) -> RunResult:
     """Train ``steps`` steps of ``engine`` (built from ``config``, read from
     ``config_path``) on ``batches``, measuring step ``memory_step`` on every
-    rank; returns the run's record (on every rank, with every stage's peak).
+    rank (with a budget: every step, the planner's own first steps from its
+    plan); returns the run's record (on every rank, with every stage's peak).
     Rank 0 shows progress when ``show_progress``.
 
     Raises:
@@ -234,15 +293,16 @@ def train_run(engine: Any, batches: Iterator, *, config_path: str | Path, config
                        stage_boundaries=[int(b) for b in engine.module.parts], memory_step=memory_step)
     bar = make_progress(steps, f"{progress_label} {result.name}", enabled=show_progress and dist.get_rank() == 0,
                         log_every=log_every)
+    planned = result.checkpointing == "planned"
+    measured: list[int | None] = []
     start = time.perf_counter()
-    peak_bytes = 0
     for step in range(1, steps + 1):
-        measure = step == memory_step
+        measure = step > PLANNER_STEPS if planned else step == memory_step
         if measure:
             gc.collect()  # no garbage of earlier steps freed inside the measured step
         step_start = time.perf_counter()
         loss, peak = _train_step(engine, batches, measure)
-        peak_bytes = peak if measure else peak_bytes
+        measured.append(peak if measure else None)
         rate = global_batch / (time.perf_counter() - step_start)
         result.losses.append(loss)
         result.samples_per_s.append(rate)
@@ -250,7 +310,11 @@ def train_run(engine: Any, batches: Iterator, *, config_path: str | Path, config
         bar.update()
     result.wall_s = time.perf_counter() - start
     bar.close()
-    result.peak_memory_by_stage, result.peak_memory_by_rank = gather_peaks(peak_bytes, engine.stage_id)
+    if planned:
+        measured = step_peaks(engine.module.checkpoint_plan, measured)
+        _record_budget(result, engine.module.checkpoint_plan, engine.stage_id, measured)
+    result.peak_memory_by_stage, result.peak_memory_by_rank = gather_peaks(measured[memory_step - 1] or 0,
+                                                                           engine.stage_id)
     return result
 
 
@@ -260,8 +324,10 @@ def _mode_text(run: RunResult) -> str:
     return f"checkpointing={run.checkpointing}" + "".join(f" +{e}" for e in extras)
 
 
-def summary_line(label: str, run: RunResult, topology: str, global_batch: int, context: int) -> str:
-    """``<label> <run>: ... loss A -> B ..., peak MiB by stage ...``."""
+def summary_line(label: str, run: RunResult, topology: str, global_batch: int, context: float) -> str:
+    """``<label> <run>: ... loss A -> B ..., peak MiB by stage ...`` (and, with a
+    budget, each stage's largest step peak against it and how many steps went
+    over); ``context`` is the tokens per sequence that the tokens/s count."""
     window = max(1, min(_WINDOW, len(run.losses) // 2))
     first, last = statistics.fmean(run.losses[:window]), statistics.fmean(run.losses[-window:])
     rate = len(run.losses) * global_batch * context / run.wall_s if run.wall_s else float("nan")
@@ -270,4 +336,16 @@ def summary_line(label: str, run: RunResult, topology: str, global_batch: int, c
     return (f"{label} {run.name}: {topology}, {_mode_text(run)} (interval {run.checkpoint_interval}), "
             f"{len(run.losses)} steps x {global_batch} sequences, loss {first:.4f} -> {last:.4f} "
             f"(mean of first/last {window}), {rate:.0f} tokens/s, {run.wall_s:.1f} s, "
-            f"peak MiB by stage (step {run.memory_step}) {peaks}")
+            f"peak MiB by stage (step {run.memory_step}) {peaks}{_budget_text(run)}")
+
+
+def _budget_text(run: RunResult) -> str:
+    """``; largest step peak / budget MiB by stage 0:4.10/5.00 ..., 0 of 8 steps over budget``."""
+    if not run.budget_bytes_by_stage:
+        return ""
+    stages = sorted(run.budget_bytes_by_stage, key=int)
+    largest = {stage: max((p for p in run.step_peaks_by_stage[stage] if p is not None), default=0) for stage in stages}
+    pairs = " ".join(f"{stage}:{largest[stage] / MIB:.2f}/{run.budget_bytes_by_stage[stage] / MIB:.2f}"
+                     for stage in stages)
+    return (f"; largest step peak / budget MiB by stage {pairs}, {len(run.steps_over_budget)} of "
+            f"{len(run.losses)} steps over budget")
