@@ -1,5 +1,6 @@
-"""What the examples' training scripts share: the command-line arguments a
-DeepSpeed launch passes, their checks, and saving a rank's parameters."""
+"""What the examples' training scripts share: the accelerator's default, the
+command-line arguments a DeepSpeed launch passes, their checks, and saving a
+rank's parameters. Imports no DeepSpeed (see :func:`default_to_cpu`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["add_launch_arguments", "check_launch_arguments", "save_parameters"]
+__all__ = ["add_launch_arguments", "check_launch_arguments", "default_to_cpu", "save_parameters"]
+
+
+def default_to_cpu() -> None:
+    """``DS_ACCELERATOR=cpu`` (unless set already) when torch sees no GPU; call
+    it before DeepSpeed is first imported (DeepSpeed then picks gloo)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser, *, steps: int, out_dir: str) -> None:

@@ -20,6 +20,14 @@ its last ``context``). Step ``s`` trains on windows ``[G s, G s + G)`` of a
 seeded per-epoch permutation of all windows, ``G`` the global batch, whatever
 the topology: data-parallel rank ``d`` takes the ``d``-th contiguous share and
 splits it into micro-batches (:class:`examples.sampling.GlobalBatchSampler`).
+
+Variable lengths (:func:`variable_micro_batches`): the same windows and order,
+but window ``w`` is cut to its own length ``L_w`` (:func:`window_lengths`,
+seeded, between a quarter of ``context`` and ``context``): input = its first
+``L_w`` tokens, target = the next ``L_w``. Each micro-batch is padded on the
+right to its own longest sample, inputs with :data:`PAD_TOKEN`, targets with
+:data:`IGNORE_INDEX` (which both examples' losses ignore). The models attend
+causally, so a padded position changes no loss of a real one.
 """
 
 from __future__ import annotations
@@ -43,12 +51,16 @@ from examples.sampling import GlobalBatchSampler
 __all__ = [
     "STDLIB_FILES",
     "Corpus",
+    "IGNORE_INDEX",
+    "PAD_TOKEN",
     "build_corpus",
     "first_micro_batch",
     "corpus_path",
     "load_corpus",
     "micro_batches",
     "stdlib_dir",
+    "variable_micro_batches",
+    "window_lengths",
 ]
 
 # Sorted; top-level modules of CPython's Lib/ that exist from 3.10 to 3.14 (not
@@ -114,6 +126,10 @@ SEPARATOR = b"\x00"
 # Part of the cache file name: bump it whenever the corpus recipe changes.
 CORPUS_VERSION = 1
 MANIFEST_SUFFIX = ".json"
+# Variable lengths: what pads a micro-batch's shorter samples (inputs: the NUL file
+# separator; targets: the index cross-entropy ignores).
+PAD_TOKEN = 0
+IGNORE_INDEX = -100
 
 
 def stdlib_dir() -> Path:
@@ -234,6 +250,29 @@ def micro_batches(corpus: Corpus, batches: Sequence[list[int]] | Sampler[list[in
     for indices in batches:
         windows = corpus.tokens[torch.tensor(indices)[:, None] * context + span].long()
         yield windows[:, :-1], windows[:, 1:]
+
+
+def window_lengths(num_windows: int, context: int, seed: int = 0) -> torch.Tensor:
+    """Each window's own length (int64 ``[num_windows]``), uniform in
+    ``[max(1, context // 4), context]``, drawn from a generator seeded with
+    ``seed`` (the same for every layout and config)."""
+    generator = torch.Generator().manual_seed(seed * 100_003 + 1)
+    return torch.randint(max(1, context // 4), context + 1, (num_windows,), generator=generator)
+
+
+def variable_micro_batches(corpus: Corpus, batches: Sequence[list[int]] | Sampler[list[int]], context: int,
+                           lengths: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Like :func:`micro_batches`, but window ``w`` is ``lengths[w]`` tokens
+    long: ``(inputs, targets)``, both ``[B, longest of the micro-batch]`` int64,
+    padded on the right with :data:`PAD_TOKEN` and :data:`IGNORE_INDEX`."""
+    for indices in batches:
+        sizes = lengths[torch.tensor(indices)].tolist()
+        inputs = torch.full((len(indices), max(sizes)), PAD_TOKEN, dtype=torch.long)
+        targets = torch.full_like(inputs, IGNORE_INDEX)
+        for row, (window, size) in enumerate(zip(indices, sizes)):
+            tokens = corpus.tokens[window * context:window * context + size + 1].long()
+            inputs[row, :size], targets[row, :size] = tokens[:-1], tokens[1:]
+        yield inputs, targets
 
 
 def first_micro_batch(corpus: Corpus, config: dict, context: int,

@@ -25,7 +25,7 @@ DEFAULT_PARTITION_METHOD = "type:Block"
 
 def build_engine(config: dict, model: GPTConfig, topology: PipeModelDataParallelTopology, seed: int = 0,
                  dropout_seed: int | None = None, partition_method: str = DEFAULT_PARTITION_METHOD,
-                 partition_planning: ds_pipe_ckpt.PartitionPlanning | None = None) -> Any:
+                 partition_planning: ds_pipe_ckpt.PartitionPlanning | None = None, dynamic_shape: bool = False) -> Any:
     """``ds_pipe_ckpt.initialize`` of the GPT pipeline under ``config`` (a DeepSpeed
     config dict with an ``optimizer`` section); returns DeepSpeed's ``PipelineEngine``.
 
@@ -35,6 +35,8 @@ def build_engine(config: dict, model: GPTConfig, topology: PipeModelDataParallel
     Only the transformer blocks are checkpointed (``checkpointable_layers``),
     every ``pipeline.activation_checkpoint_interval`` of them. ``partition_planning``
     goes with ``partition_method="planned"`` (``ds_pipe_ckpt.partition_from_config``).
+    ``dynamic_shape``: micro-batches of variable length (DeepSpeed sends each
+    one's shapes; a budget then needs ``activation_checkpointing.max_sequence_length``).
     """
     if "optimizer" not in config:
         raise ValueError("the DeepSpeed config has no \"optimizer\" section; the GPT example builds its optimizer "
@@ -42,7 +44,8 @@ def build_engine(config: dict, model: GPTConfig, topology: PipeModelDataParallel
     module = ds_pipe_ckpt.PipelineModule(layers=gpt_layer_specs(model, seed), topology=topology,
                                          loss_fn=language_model_loss, partition_method=partition_method,
                                          partition_planning=partition_planning,
-                                         checkpointable_layers=list(CHECKPOINTABLE_LAYERS))
+                                         checkpointable_layers=list(CHECKPOINTABLE_LAYERS),
+                                         dynamic_shape=dynamic_shape)
     engine, _, _, _ = ds_pipe_ckpt.initialize(model=module, config=config,
                                               model_parameters=[p for p in module.parameters() if p.requires_grad])
     torch.manual_seed(seed if dropout_seed is None else dropout_seed)

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from examples.sampling import GlobalBatchSampler
-from examples.gpt.data import (STDLIB_FILES, build_corpus, corpus_path, load_corpus,
-                               micro_batches)
+from examples.gpt.data import (IGNORE_INDEX, PAD_TOKEN, STDLIB_FILES, build_corpus, corpus_path, load_corpus,
+                               micro_batches, variable_micro_batches, window_lengths)
 from examples.gpt.model import Block, GPTConfig, PositionEmbedding, TokenEmbedding, gpt_layer_specs, lm_head
 
 
@@ -84,6 +85,50 @@ def test_targets_are_the_inputs_shifted_by_one(fake_stdlib, tmp_path):
     assert torch.equal(inputs[:, 1:], targets[:, :-1])
     assert inputs[1].tolist() == corpus.tokens[15:20].tolist()
     assert targets[1].tolist() == corpus.tokens[16:21].tolist()
+
+
+def test_variable_lengths_cut_each_window_and_pad_each_micro_batch_to_its_longest(fake_stdlib, tmp_path):
+    corpus = load_corpus(tmp_path / "cache", fake_stdlib)
+    context = 8
+    lengths = window_lengths(corpus.num_windows(context), context, seed=3)
+    assert lengths.min() >= context // 4 and lengths.max() <= context and len(set(lengths.tolist())) > 1
+    assert torch.equal(lengths, window_lengths(corpus.num_windows(context), context, seed=3))  # seeded
+    batches = [[0, 5, 2], [7, 1, 4]]
+    fixed = list(micro_batches(corpus, batches, context))
+    for (inputs, targets), (full_inputs, full_targets), indices in zip(
+            variable_micro_batches(corpus, batches, context, lengths), fixed, batches):
+        sizes = lengths[torch.tensor(indices)].tolist()
+        assert inputs.shape == targets.shape == (len(indices), max(sizes)) and inputs.dtype == torch.long
+        for row, size in enumerate(sizes):
+            assert torch.equal(inputs[row, :size], full_inputs[row, :size])  # the window's own start
+            assert torch.equal(targets[row, :size], full_targets[row, :size])
+            assert (inputs[row, size:] == PAD_TOKEN).all() and (targets[row, size:] == IGNORE_INDEX).all()
+
+
+def test_the_loss_ignores_padding():
+    from examples.gpt.model import language_model_loss
+
+    logits, targets = torch.randn(2, 5, 256), torch.randint(0, 256, (2, 5))
+    padded = torch.cat([targets[:, :3], torch.full((2, 2), IGNORE_INDEX)], dim=1)
+    assert torch.equal(language_model_loss(logits, padded), language_model_loss(logits[:, :3], targets[:, :3]))
+
+
+@pytest.mark.parametrize("config, flags, message", [
+    ("variable_lengths", [], "max_sequence_length = 64 plans for micro-batches of variable length: add "
+                             "--variable-lengths"),
+    ("planned", ["--variable-lengths"], "a budget with --variable-lengths needs "
+                                        "activation_checkpointing.max_sequence_length"),
+    ("variable_lengths", ["--variable-lengths", "--context", "96"], "max_sequence_length = 64 is less than "
+                                                                    "--context = 96"),
+])
+def test_a_config_that_does_not_match_variable_lengths_is_refused(capsys, config, flags, message):
+    from examples.gpt.train import parse_args
+
+    path = str(Path(__file__).resolve().parents[2] / "examples" / "gpt" / "configs" / f"{config}.json")
+    with pytest.raises(SystemExit):
+        parse_args(["--deepspeed_config", path, *flags])
+    error = capsys.readouterr().err
+    assert f"error: {path}: " in error and message in error, error
 
 
 def test_config_errors_name_the_field():

@@ -11,14 +11,18 @@ same data order, once per JSON config:
   measures each stage on its first step and follows its plan from the second);
 * pp=2 x mp=2 on 4 ranks: no checkpointing and non-reentrant with
   ``partition_activations`` (checkpoint inputs sharded across the
-  model-parallel pair).
+  model-parallel pair);
+* pp=2 on 2 ranks with ``--variable-lengths`` (each sample its own length,
+  each micro-batch padded to its longest): no checkpointing, and planned
+  (``variable_lengths.json``: a budget per stage and ``max_sequence_length``).
 
 Asserted (CPU, fp32): every checkpointed run reproduces the run without
 checkpointing of its launch exactly, every loss and every final parameter on
 every rank; the two stages' copies of the tied embedding/head weight are
 identical after training and differ from their initial value; the loss
 decreases; checkpointing lowers every stage's peak memory; the outputs are
-written.
+written; with variable lengths, every step's peak of every stage (in
+``summary.json``) stays within that stage's budget.
 """
 
 from __future__ import annotations
@@ -49,21 +53,26 @@ LAUNCHES = {
     (2, 1): (BASELINE, "reentrant", "non_reentrant", "selective", "cpu_offload", "planned", "planned_partition"),
     (2, 2): (BASELINE, "non_reentrant_partitioned"),
 }
+# The variable-length launch: its key in the cache, and its configs.
+VARIABLE = (2, 1, "variable-lengths")
+VARIABLE_CONFIGS = (BASELINE, "variable_lengths")
 LAUNCH_TIMEOUT = 300  # seconds; about 25 s (2 ranks) and 40 s (4 ranks) on 2 idle cores
 TIED_WEIGHT = f"tied_modules.{EMBED_KEY}.weight"
 
 
-def launch_topology(root: Path, cache_dir: Path, topology: tuple[int, int]) -> LaunchOutputs:
-    """One ``deepspeed`` launch training every config of ``topology`` (pp, mp)."""
-    pp, mp = topology
-    folder = root / f"pp{pp}-mp{mp}"
+def launch_topology(root: Path, cache_dir: Path, key: tuple) -> LaunchOutputs:
+    """One ``deepspeed`` launch training every config of ``key``: (pp, mp) of
+    :data:`LAUNCHES`, or :data:`VARIABLE`."""
+    pp, mp, *flags = key
+    folder = root / "-".join([f"pp{pp}", f"mp{mp}", *flags])
     out_dir = folder / "out"
-    configs = [str(CONFIG_DIR / f"{name}.json") for name in LAUNCHES[topology]]
+    names = VARIABLE_CONFIGS if key == VARIABLE else LAUNCHES[key]
+    configs = [str(CONFIG_DIR / f"{name}.json") for name in names]
     args = ["--pp", str(pp), "--mp", str(mp), "--steps", str(STEPS), "--seed", str(SEED),
             "--cache-dir", str(cache_dir), "--out-dir", str(out_dir), "--save-params", "--no-progress",
-            "--deepspeed_config", *configs]
+            *[f"--{flag}" for flag in flags], "--deepspeed_config", *configs]
     deepspeed_launch(TRAIN_SCRIPT, pp * mp, args, folder / "logs", timeout=LAUNCH_TIMEOUT, cwd=REPO_ROOT)
-    return LaunchOutputs(f"pp={pp} mp={mp}", json.loads((out_dir / "summary.json").read_text()), out_dir)
+    return LaunchOutputs(" ".join([f"pp={pp} mp={mp}", *flags]), json.loads((out_dir / "summary.json").read_text()), out_dir)
 
 
 @pytest.fixture(scope="module")
@@ -187,3 +196,39 @@ def test_writes_loss_curve_and_summary(launches):
     assert len(rows) == 1 + STEPS * len(LAUNCHES[(2, 1)])
     assert float(rows[1].split(",")[2]) == launch.run(BASELINE)["losses"][0]  # printed exactly
     assert (launch.out_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_variable_lengths_reproduce_training_without_checkpointing(launches):
+    launch = launches.get(VARIABLE)
+    assert launch.summary["meta"]["variable_lengths"] is True
+    baseline, run = launch.run(BASELINE), launch.run("variable_lengths")
+    assert run["checkpointing"] == "planned" and len(run["losses"]) == STEPS
+    assert run["losses"] == baseline["losses"], _first_difference(run["losses"], baseline["losses"])
+    assert run["losses"] != launches.get((2, 1)).run(BASELINE)["losses"]  # other data than fixed lengths
+    for rank in range(2):
+        expected, actual = launch.params(BASELINE, rank), launch.params("variable_lengths", rank)
+        assert actual.keys() == expected.keys()
+        assert not [key for key in expected if not torch.equal(actual[key], expected[key])], rank
+
+
+def test_variable_lengths_keep_every_step_of_every_stage_within_its_budget(launches):
+    """``summary.json`` has each stage's budget and every step's peak: step 1
+    less what it allocates once (the optimizer's state, the pipeline buffers),
+    the planner's measuring step and first planned step, then ours around
+    ``train_batch``. The budget (5 MiB per stage) is about half of stage 0's
+    peak without checkpointing."""
+    launch = launches.get(VARIABLE)
+    section = json.loads((CONFIG_DIR / "variable_lengths.json").read_text())["activation_checkpointing"]
+    assert section["max_sequence_length"] == GPTConfig().context
+    run, none = launch.run("variable_lengths"), launch.run(BASELINE)
+    budgets = {str(stage): int(mb * 2**20) for stage, mb in enumerate(section["memory_budget_mb"])}
+    assert run["budget_bytes_by_stage"] == budgets
+    assert none["peak_memory_by_stage"]["0"] > budgets["0"] * 1.5, "the budget must make stage 0 checkpoint"
+    peaks = run["step_peaks_by_stage"]
+    assert sorted(peaks) == ["0", "1"] and all(len(p) == STEPS and None not in p for p in peaks.values()), peaks
+    over = {stage: [(step, peak) for step, peak in enumerate(p, start=1) if peak > budgets[stage]]
+            for stage, p in peaks.items()}
+    assert not any(over.values()), (over, budgets)
+    assert run["steps_over_budget"] == []
+    assert all(0 < kept for kept in run["first_step_kept_bytes_by_stage"].values())
+    assert none["step_peaks_by_stage"] == {} and none["budget_bytes_by_stage"] == {}
