@@ -7,6 +7,7 @@
 #   make benchmark       - python -m benchmarks.checkpointing (one stage, every path, beside upstream and torch)
 #   make benchmark-pipeline - python -m benchmarks.pipeline --budget 0.3 0.5 0.75 (per stage, in the engine)
 #   make benchmark-partition - the planned partition against DeepSpeed's, GPT and Llama at pp=2 and 4 (about 30 min)
+#   make benchmark-lengths - variable-length micro-batches: plans per length against one for the longest (encoder, pp=2)
 
 PYTHON ?= python3
 VENV := .venv
@@ -14,7 +15,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: install test cifar10 gpt llama benchmark benchmark-pipeline benchmark-partition
+.PHONY: install test cifar10 gpt llama benchmark benchmark-pipeline benchmark-partition benchmark-lengths
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -49,3 +50,6 @@ benchmark-partition: $(STAMP)
 	  $(PY) -m benchmarks.pipeline --partition planned --model $$model --blocks 16 --vocab 4096 --pp 2 4 \
 	    --budget 0.5 0.7 --timed-steps 3 --png partition-$$model.png || exit 1; \
 	done
+
+benchmark-lengths: $(STAMP)
+	$(PY) -m benchmarks.pipeline --lengths --model encoder --blocks 8 --pp 2 --budget 0.5 0.7 --timed-steps 20

@@ -10,6 +10,7 @@ Run from the repository root::
     python -m benchmarks.pipeline --modes none --budget 0.3 [...]  # only what the budget rows need
     python -m benchmarks.pipeline --model encoder --modes none --budget 0.3 0.5 0.7 0.9 --timed-steps 5
     python -m benchmarks.pipeline --partition planned --model llama --blocks 16 --vocab 4096 --budget 0.5 0.7
+    python -m benchmarks.pipeline --lengths --model encoder --pp 2 --budget 0.5 0.7 --timed-steps 10
 
 For each pipeline depth (pp=2; also pp=4 without ``--quick``) and mode
 (:mod:`benchmarks.pipeline_modes`: none, reentrant, non_reentrant, selective,
@@ -39,6 +40,14 @@ with each stage's checkpointing) with DeepSpeed's ``"parameters"`` and
 per-stage planner, under one budget on every stage
 (:mod:`benchmarks.pipeline_partition`); ``--png P`` then plots step time per
 budget and configuration.
+
+With ``--lengths --budget F ...`` (``--model encoder`` or ``llama``) the
+micro-batches vary in length (``PipelineModule(dynamic_shape=True)``, lengths
+drawn uniformly from a quarter of the context to the context): the planner
+with a plan per length bucket (``adaptive``) against one plan made for the
+longest micro-batch (``static``) and the best uniform interval that fits at
+the longest, every measured step's peak against its budget, in one launch
+per depth (:mod:`benchmarks.pipeline_lengths`).
 """
 
 from __future__ import annotations
@@ -67,6 +76,9 @@ from examples.gpt.data import load_corpus  # noqa: E402
 from .checkpointing import machine_info  # noqa: E402
 from .pipeline_budget import (PLANNED, BudgetOutcome, budget_records, infeasible_minimum,  # noqa: E402
                               planned_mode, stage_budgets, uniform_best, uniform_modes)
+from .pipeline_lengths import MEASURED_STEPS, LengthSchedule, length_records, length_schedule  # noqa: E402
+from .pipeline_lengths_rank import measure_lengths  # noqa: E402
+from .pipeline_lengths_report import lengths_document, lengths_markdown  # noqa: E402
 from .pipeline_models import MODEL_NAMES, EncoderConfig, LlamaSizes, model_description  # noqa: E402
 from .pipeline_partition import partition_rows  # noqa: E402
 from .pipeline_partition_report import partition_document, partition_markdown, write_partition_png  # noqa: E402
@@ -111,6 +123,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--partition", choices=("planned", ), default=None,
                         help="planned: compare the planned partition with DeepSpeed's \"parameters\" and \"uniform\" "
                              "ones under --budget F x the highest stage peak without checkpointing, on every stage")
+    parser.add_argument("--lengths", action="store_true",
+                        help="variable-length micro-batches (dynamic_shape=True, the encoder or llama model): the "
+                             "planner's plan per length against one plan for the longest and the best uniform "
+                             "interval that fits, under --budget F x each stage's peak at the longest")
+    parser.add_argument("--measured-steps", type=int, default=MEASURED_STEPS, metavar="N",
+                        help=f"with --lengths: variable-length steps whose peak is measured, per configuration "
+                             f"(default {MEASURED_STEPS})")
     return parser
 
 
@@ -151,6 +170,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode_list = tuple(mode for mode in modes() if args.modes is None or mode.name in args.modes)
     if args.partition and not args.budget:
         parser.error("--partition planned needs --budget F [F ...]: the comparison is under budgets")
+    if args.lengths and (not args.budget or args.partition or args.modes or args.png or args.model == "gpt"):
+        parser.error("--lengths needs --budget F [F ...] and --model encoder or llama, without --partition, "
+                     "--modes or --png: it runs its own configurations")
+    if args.lengths and args.measured_steps < 1:
+        parser.error(f"--measured-steps {args.measured_steps}: at least one step must be measured")
     if args.budget and all(mode.name != "none" for mode in mode_list):
         parser.error("--budget needs the none mode: its peaks set the budgets")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -165,6 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         load_corpus(cache_dir)  # written once here, read by every rank
 
     start = time.perf_counter()
+    if args.lengths:
+        return _lengths_main(args, preset, device, cores, machine, start)
     if args.partition:
         return _partition_main(args, preset, cache_dir, device, cores, machine, start)
     records = _launch(layouts(preset, mode_list), preset, cache_dir, device, cores, mode_list)
@@ -209,6 +235,34 @@ def _partition_main(args: argparse.Namespace, preset: Preset, cache_dir: str | N
             handle.write("\n")
     if args.png:
         write_partition_png(args.png, records, machine)
+    return 0
+
+
+def _lengths_main(args: argparse.Namespace, preset: Preset, device: torch.device, cores: int, machine: dict,
+                  start: float) -> int:
+    """``--lengths``: the comparison of :mod:`benchmarks.pipeline_lengths`, one launch per depth."""
+    schedules = {pp: length_schedule(preset.model.context, preset.accumulation_per_stage * pp, preset.timed_steps,
+                                     measured=args.measured_steps) for pp in preset.pipeline_depths}
+
+    def launch(pp: int, schedule: LengthSchedule) -> list[dict]:
+        threads = max(1, cores // pp)
+        print(f"benchmarks.pipeline --lengths: pp={pp}, {threads} thread(s) per rank", file=sys.stderr, flush=True)
+        per_rank = run_ranks(measure_lengths, pp, pp, tuple(args.budget), preset, schedule, threads,
+                             timeout=LAUNCH_TIMEOUT, backend="nccl" if device.type == "cuda" else "gloo",
+                             threads=threads)
+        return [record for rank in per_rank for record in rank]
+
+    records = length_records(schedules, launch, _root_error)
+    machine["load_average_at_end"] = os.getloadavg()
+    machine["wall_s"] = round(time.perf_counter() - start, 1)
+    machine["torch_threads"] = ", ".join(f"pp={pp}: {max(1, cores // pp)}" for pp in preset.pipeline_depths)
+    print(lengths_markdown(records, machine, schedules), end="")
+    print(f"Load average (1, 5, 15 min): {machine['load_average_at_start']} at start, "
+          f"{machine['load_average_at_end']} at end; {machine['wall_s']} s.")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(lengths_document(records, machine, schedules), handle, indent=2)
+            handle.write("\n")
     return 0
 
 
