@@ -25,6 +25,7 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from .config import CheckpointingConfig
 from .errors import ConfigError
+from .recompute import torch_determinism_check
 from .selective import ops_to_keep, selective_context_fn
 
 __all__ = ["CheckpointOptions", "DETERMINISM_CHECKS"]
@@ -125,8 +126,9 @@ class CheckpointOptions:
             context_fn = selective_context_fn(ops_to_keep(self.save_ops))
         else:
             context_fn = self.context_fn if self.context_fn is not None else torch_checkpoint.noop_context_fn
+        determinism_check = torch_determinism_check(self.determinism_check, torch_contexts=self.context_fn is None)
         keywords = {"use_reentrant": False, "preserve_rng_state": self.preserve_rng_state, "context_fn": context_fn,
-                    "determinism_check": self.determinism_check, "debug": self.debug,
+                    "determinism_check": determinism_check, "debug": self.debug,
                     # verify compares every op of the recomputation: it must run to the end.
                     "early_stop": self.early_stop and not self.verify}
         if self.respect_saved_tensors_hooks is not None:

@@ -11,7 +11,9 @@ is what is checked, always, at the cost of one Python call per saved tensor:
 * :class:`SavedTensorProbe` stands in front of torch checkpoint's own
   saved-tensor hooks, in the forward and in the recomputation, and records
   for every saved tensor where it comes from (an input of the region, the op
-  behind its autograd node, or no autograd history) with its shape and dtype.
+  behind its autograd node, or no autograd history) with its shape, dtype and
+  device (a superset of torch's own "default" check, which is then not asked
+  for: :func:`torch_determinism_check`).
   torch's early stop stays on: the recomputation ends when it has rebuilt as
   many tensors as the forward saved, and the sequence it built is compared
   with the forward's. A recomputation that finishes having saved fewer (a
@@ -46,10 +48,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .errors import InPlaceInputError, RecomputeMismatchError
-from .hooks import pop_hooks, push_hooks, top_hooks
+from .hooks import CAN_SEE_CHECKPOINT_HOOKS, pop_hooks, push_hooks, top_saved_tensors_hooks
 from .regions import Region
 
-__all__ = ["SavedTensorProbe", "OpTrace", "mismatch", "renamed", "require_tensor_output", "STOP_RECOMPUTATION"]
+__all__ = ["SavedTensorProbe", "OpTrace", "mismatch", "renamed", "require_tensor_output", "STOP_RECOMPUTATION",
+           "torch_determinism_check"]
 
 # torch raises this from its recomputation hook to stop a recomputation early
 # (torch >= 2.1); it passes through the region's function on its way out.
@@ -110,6 +113,22 @@ def renamed(region: Region, error: BaseException) -> RecomputeMismatchError | No
     return None
 
 
+def torch_determinism_check(determinism_check: str, *, torch_contexts: bool) -> str:
+    """The ``determinism_check`` to pass to torch's checkpoint for a call with
+    ``determinism_check`` (see the module docstring); ``torch_contexts``: the
+    call runs under torch's own context managers only (no caller's ``context_fn``).
+
+    torch's "default" check describes every tensor the recomputation saves by
+    shape, dtype and device, and compares them with the forward's; the probe
+    compares those and where each tensor comes from. Where the probe is sure
+    to run (torch's hooks are visible from inside the region, and no caller's
+    context manager can put hooks in front of them) torch is asked for "none",
+    so that each saved tensor is described once; its count check stays."""
+    if determinism_check == "default" and torch_contexts and CAN_SEE_CHECKPOINT_HOOKS:
+        return "none"
+    return determinism_check
+
+
 # -- what a saved tensor is --------------------------------------------------------------
 
 # A saved tensor's origin: an input of the region (which one is not recorded: a
@@ -119,10 +138,10 @@ def renamed(region: Region, error: BaseException) -> RecomputeMismatchError | No
 _INPUT = "input"
 
 
-def _describe_saved(entry: tuple | None) -> str:
+def _describe_saved(entry: tuple | None, device: bool = False) -> str:
     if entry is None:
         return "nothing"
-    origin, shape, dtype = entry
+    origin, shape, dtype, where = entry
     if origin == _INPUT:
         what = "an input of the region"
     elif origin is True:
@@ -131,12 +150,16 @@ def _describe_saved(entry: tuple | None) -> str:
         what = "a tensor without autograd history (a constant, or computed without grad)"
     else:
         what = f"the output of the op recorded as {origin.__name__}"
-    return f"{what}, {list(shape)} {str(dtype).removeprefix('torch.')}"
+    on = f" on {where}" if device else ""
+    return f"{what}, {list(shape)} {str(dtype).removeprefix('torch.')}{on}"
+
+
+_FIELDS = 4  # per saved tensor in a record: origin, shape, dtype, device
 
 
 def _entries(record: list) -> list[tuple]:
-    """A flat record (origin, shape, dtype, origin, shape, dtype, ...) as one tuple per saved tensor."""
-    return [tuple(record[i:i + 3]) for i in range(0, len(record), 3)]
+    """A flat record (origin, shape, dtype, device, origin, ...) as one tuple per saved tensor."""
+    return [tuple(record[i:i + _FIELDS]) for i in range(0, len(record), _FIELDS)]
 
 
 def _unpack(torch_unpack: Callable[[Any], torch.Tensor], region: Region, handle: Any) -> torch.Tensor:
@@ -181,7 +204,7 @@ class SavedTensorProbe:
     def __init__(self, region: Region, *, compare: bool = True):
         self.region = region
         self.compare = compare  # False (determinism_check="none"): only name torch's own errors
-        # What the forward saved, flat: (origin, shape, dtype) for each tensor, in order
+        # What the forward saved, flat: (origin, shape, dtype, device) for each tensor, in order
         # (a flat list of plain values: fewer objects alive until the backward).
         self.forward_saved: list | None = None
         # While a run is in progress: torch's pack hook, the ids of the run's
@@ -197,60 +220,55 @@ class SavedTensorProbe:
             origin = type(node) if node is not None else tensor.requires_grad
         # A plain tuple, not the torch.Size: the collector untracks a tuple of ints,
         # so it is never promoted to the old generation while the region is in flight.
-        self._saved += (origin, tuple(tensor.shape), tensor.dtype)
+        self._saved += (origin, tuple(tensor.shape), tensor.dtype, tensor.device)
         return self._torch_pack(tensor)
-
-    def _push(self, torch_pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor],
-              args: tuple) -> list:
-        """Push the probe, in front of ``torch_pack``, for a run on ``args``;
-        returns the record it will fill. The caller pops it and calls
-        :meth:`_clear` when the run ends."""
-        saved: list = []
-        # The ids of all arguments: a saved tensor cannot share one with a live non-tensor.
-        self._torch_pack, self._input_ids, self._saved = torch_pack, set(map(id, args)), saved
-        self._user_hooks = getattr(torch_pack, "_user_hooks", None)
-        push_hooks(self, unpack)
-        return saved
-
-    def _clear(self) -> None:
-        # Until the backward the saved tensors keep the probe alive, through them
-        # torch's hook (a cycle back to torch's frame) and the user's hooks: drop them.
-        self._torch_pack = self._input_ids = self._saved = self._user_hooks = None
 
     def run_forward(self, run: Callable[..., Any], args: tuple) -> Any:
         """``run(*args)``, the forward, recording what it saves."""
-        hooks = top_hooks()
-        if hooks is None:  # not under a checkpoint (grad disabled): nothing is saved
-            return run(*args)
+        hooks = top_saved_tensors_hooks(False)
+        if hooks is None or not getattr(hooks[0], "_checkpoint_internal", False):
+            return run(*args)  # not under a checkpoint (grad disabled): nothing is saved
+        torch_pack = hooks[0]
         unpack = functools.partial(_unpack, hooks[1], self.region)  # built in C: no __init__ frame
         if not self.compare:  # torch's own pack hook (it carries the mark and its _user_hooks)
-            push_hooks(hooks[0], unpack)
+            push_hooks(torch_pack, unpack)
             try:
                 return run(*args)
             finally:
                 pop_hooks()
-        saved = self._push(hooks[0], unpack, args)
+        # Set up here and in run_recomputation rather than in a helper: a call, on every call.
+        # The ids of all arguments: a saved tensor cannot share one with a live non-tensor.
+        saved: list = []
+        self._torch_pack, self._input_ids, self._saved = torch_pack, set(map(id, args)), saved
+        self._user_hooks = getattr(torch_pack, "_user_hooks", None)
+        push_hooks(self, unpack)
         try:
             out = run(*args)
         finally:
             pop_hooks()
-            self._clear()
+            # The saved tensors keep the probe alive until the backward; through it they
+            # must not keep torch's hook (a cycle back to torch's frame) or the user's hooks.
+            self._torch_pack = self._input_ids = self._saved = self._user_hooks = None
         self.forward_saved = saved
         return out
 
     def run_recomputation(self, run: Callable[..., Any], args: tuple) -> Any:
         """``run(*args)``, a recomputation, checked against the forward."""
         forward = self.forward_saved
-        hooks = top_hooks() if forward is not None else None  # None: the forward recorded nothing
-        if hooks is None:
+        hooks = top_saved_tensors_hooks(False) if forward is not None else None  # None: the forward recorded nothing
+        if hooks is None or not getattr(hooks[0], "_checkpoint_internal", False):
             return run(*args)
-        saved = self._push(hooks[0], hooks[1], args)
+        torch_pack = hooks[0]
+        saved: list = []
+        self._torch_pack, self._input_ids, self._saved = torch_pack, set(map(id, args)), saved
+        self._user_hooks = getattr(torch_pack, "_user_hooks", None)
+        push_hooks(self, hooks[1])  # torch's own unpack hook: it raises nothing
         try:
             try:
                 out = run(*args)
             finally:
                 pop_hooks()
-                self._clear()
+                self._torch_pack = self._input_ids = self._saved = self._user_hooks = None
         except STOP_RECOMPUTATION:
             # torch stopped it once it had rebuilt as many tensors as the forward saved.
             if saved != forward:
@@ -276,8 +294,9 @@ class SavedTensorProbe:
         i = next((i for i, (a, b) in enumerate(zip(forward, recomputed)) if a != b),
                  min(len(forward), len(recomputed)))
         if i < len(recomputed) and i < len(forward):
-            problem = (f"saved tensor #{i} differs: the forward saved {_describe_saved(forward[i])}; "
-                       f"the recomputation saved {_describe_saved(recomputed[i])}.")
+            device = forward[i][:-1] == recomputed[i][:-1]  # they differ only by device: name it
+            problem = (f"saved tensor #{i} differs: the forward saved {_describe_saved(forward[i], device)}; "
+                       f"the recomputation saved {_describe_saved(recomputed[i], device)}.")
         elif i >= len(recomputed):
             problem = (f"the recomputation finished having saved {len(recomputed)} tensor(s) for backward where "
                        f"the forward saved {len(forward)} (a shorter path); the first one it did not save: "
