@@ -58,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.region_loop", description=__doc__.split("\n\n")[0])
     parser.add_argument("regions", type=int, nargs="+", help="numbers of regions per step")
     parser.add_argument("--freeze", action="store_true", help="gc.freeze() before measuring")
-    parser.add_argument("--rounds", type=int, default=None, help="rounds per N (default: max(9, 4096 / N))")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds per N (default: max(25, 4096 / N))")
     parser.add_argument("--ablations", action="store_true",
                         help="also ours with its guarantees switched off one by one (benchmarks.call_ablations)")
     args = parser.parse_args(argv)
@@ -70,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         gc.collect()
         gc.freeze()
     for n in args.regions:
-        rounds = args.rounds or max(9, 4096 // n)
+        rounds = args.rounds or max(25, 4096 // n)
         times = _measure(layers[:n], variants, rounds)
         reference = times[TORCH.name]
         ratios = ", ".join(f"{name} / torch {statistics.median(a / b for a, b in zip(samples, reference)):.3f}"
