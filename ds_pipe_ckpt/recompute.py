@@ -6,7 +6,9 @@ with silently different gradients.
 What decides the gradients of a checkpointed region is the tensors its
 recomputation saves for backward: the backward runs through the forward's own
 autograd graph and only takes those tensors from the recomputation. So that
-is what is checked, always, at the cost of one Python call per saved tensor:
+is what is checked, always, at the cost of a Python call per saved tensor in the
+forward and in each recomputation (the largest part of the per-call cost on
+small regions: docs/performance.md):
 
 * :class:`SavedTensorProbe` stands in front of torch checkpoint's own
   saved-tensor hooks, in the forward and in the recomputation, and records
