@@ -49,6 +49,8 @@ setup(
             "tqdm",
             # Drop-in tests drive real transformers models (built from configs, nothing downloaded).
             "transformers>=5,<6",
+            # LoRA fine-tuning under a memory budget (tests/llama/test_llama_lora.py).
+            "peft",
         ],
         "example": ["torchvision", "matplotlib", "tqdm"],
     },

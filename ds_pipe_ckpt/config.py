@@ -23,7 +23,12 @@ Keys read (all optional):
     planner of :mod:`ds_pipe_ckpt.planning` then chooses per layer what to
     store, checkpoint or checkpoint selectively) or ``max_memory_mb`` (the same
     planner, under the total memory a stage's device may hold: one number, one
-    per stage, or ``"auto"`` for a CUDA device's capacity less 10%).
+    per stage, or ``"auto"`` for a CUDA device's capacity less 10%); with a
+    budget and ``PipelineModule(dynamic_shape=True)`` (micro-batches of
+    variable length), ``max_sequence_length`` (the longest micro-batch the
+    data gives, along ``sequence_dim`` of the stage's tensors, default 1:
+    ``[batch, sequence, ...]``), which each stage plans every length up to,
+    in ``length_buckets`` ranges (default 8; 1 plans once, for the longest).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ __all__ = [
     "load_ds_config",
     "pipeline_interval",
     "validate_interval",
+    "micro_batches_per_step",
     "OVERRIDE_KEYS",
 ]
 
@@ -111,15 +117,20 @@ class CheckpointingConfig:
     save_ops: tuple[str, ...] | None = None
     memory_budget_mb: float | tuple[float, ...] | None = None
     max_memory_mb: float | tuple[float, ...] | str | None = None
+    max_sequence_length: int | None = None
+    sequence_dim: int = 1
+    length_buckets: int = 8
 
     def __post_init__(self):
         key_of = {f: (f"{PIPELINE}.{f}" if f == "use_reentrant" else f"{SECTION}.{f}")
                   for f in (x.name for x in dataclasses.fields(self))}
         for field in dataclasses.fields(self):
-            if field.name not in ("number_checkpoints", "policy", "save_ops", "memory_budget_mb", "max_memory_mb"):
+            if field.name not in ("number_checkpoints", "policy", "save_ops", "memory_budget_mb", "max_memory_mb",
+                                  "max_sequence_length", "sequence_dim", "length_buckets"):
                 _require_bool(key_of[field.name], getattr(self, field.name))
         self._check_policy(key_of)
         self._check_budget(key_of)
+        self._check_lengths(key_of)
         n = self.number_checkpoints
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0):
             raise ConfigError(key_of["number_checkpoints"], n, "a positive integer or null")
@@ -199,6 +210,32 @@ class CheckpointingConfig:
                               "With a budget the planner chooses, per segment, full or selective checkpointing "
                               "(save_ops still says what selective keeps).")
 
+    def _check_lengths(self, key_of: dict[str, str]) -> None:
+        length, dim = self.max_sequence_length, self.sequence_dim
+        if length is not None:
+            if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+                raise ConfigError(key_of["max_sequence_length"], length,
+                                  "a positive integer: the longest micro-batch along sequence_dim, or null")
+            if not self.plans:
+                raise ConfigError(key_of["max_sequence_length"], length,
+                                  "null unless memory_budget_mb or max_memory_mb is set",
+                                  "It says which micro-batch lengths a memory budget must hold for.")
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+            raise ConfigError(key_of["sequence_dim"], dim,
+                              "an integer >= 0: the dimension of a stage's tensors that holds the sequence "
+                              "(1 for [batch, sequence, ...], 0 for [sequence, batch, ...])")
+        if dim != 1 and length is None:
+            raise ConfigError(key_of["sequence_dim"], dim, "1 (the default) unless max_sequence_length is set",
+                              "sequence_dim says where max_sequence_length is measured.")
+        buckets = self.length_buckets
+        if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1:
+            raise ConfigError(key_of["length_buckets"], buckets,
+                              "a positive integer: how many length ranges up to max_sequence_length are planned "
+                              "apart (1: one plan, made for the longest)")
+        if buckets != 8 and length is None:
+            raise ConfigError(key_of["length_buckets"], buckets, "8 (the default) unless max_sequence_length is set",
+                              "length_buckets splits the lengths up to max_sequence_length.")
+
     @staticmethod
     def _of_stage(key: str, budget: Any, stage: int, num_stages: int) -> Any:
         if isinstance(budget, tuple):
@@ -271,6 +308,59 @@ def pipeline_interval(param_dict: Mapping[str, Any] | None) -> int | None:
         return None
     return validate_interval(f"{PIPELINE}.activation_checkpoint_interval",
                              pipeline["activation_checkpoint_interval"])
+
+
+def _batch_value(param_dict: Mapping[str, Any], key: str) -> int | None:
+    value = param_dict.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(key, value, "a positive integer or null")
+    return value
+
+
+def micro_batches_per_step(param_dict: Mapping[str, Any], data_parallel_size: int | None) -> int | None:
+    """The micro-batches per step (``gradient_accumulation_steps``) of a
+    DeepSpeed config, given or derived as DeepSpeed derives it from
+    ``train_batch_size`` and ``train_micro_batch_size_per_gpu`` and the
+    data-parallel size (``train_batch_size = micro x accumulation x data
+    parallel``; 1 when only one of the two batch sizes is given).
+    ``data_parallel_size`` None (not known yet): the keys are checked and None
+    is returned unless ``gradient_accumulation_steps`` is given.
+
+    Raises:
+        ConfigError: a batch key that is not a positive integer, none of the
+            three keys, or values that do not multiply out (named as DeepSpeed's
+            own check names them).
+    """
+    if data_parallel_size is not None and (isinstance(data_parallel_size, bool)
+                                           or not isinstance(data_parallel_size, int) or data_parallel_size < 1):
+        raise ValueError(f"data_parallel_size must be a positive int, got {data_parallel_size!r}")
+    train = _batch_value(param_dict, "train_batch_size")
+    micro = _batch_value(param_dict, "train_micro_batch_size_per_gpu")
+    accumulation = _batch_value(param_dict, "gradient_accumulation_steps")
+    if accumulation is None:
+        if train is None and micro is None:
+            raise ConfigError("train_batch_size", None,
+                              "a positive integer (or train_micro_batch_size_per_gpu), as DeepSpeed requires",
+                              "The micro-batches per step are gradient_accumulation_steps, given or derived "
+                              "from train_batch_size and train_micro_batch_size_per_gpu.")
+        if data_parallel_size is None:
+            return None
+        accumulation = 1 if train is None or micro is None else train // micro // data_parallel_size
+    if data_parallel_size is None:
+        return accumulation
+    if train is not None and micro is not None and train != micro * accumulation * data_parallel_size:
+        raise ConfigError("train_batch_size", train,
+                          f"train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel size "
+                          f"= {micro} x {accumulation} x {data_parallel_size}",
+                          upstream="Check batch related parameters. train_batch_size is not equal to "
+                          "micro_batch_per_gpu * gradient_acc_step * world_size")
+    if accumulation < 1:
+        raise ConfigError("gradient_accumulation_steps", accumulation,
+                          "at least 1: train_batch_size must be at least train_micro_batch_size_per_gpu x "
+                          f"the data-parallel size ({data_parallel_size})")
+    return accumulation
 
 
 def load_ds_config(config: Any) -> dict:

@@ -23,6 +23,7 @@ class ConfigError(ValueError, AssertionError):
         self.key = key
         self.value = value
         self.allowed = allowed
+        self.hint = hint
         message = f"{key} = {value!r} is invalid: expected {allowed}."
         if hint:
             message += f" {hint}"

@@ -80,7 +80,10 @@ def initialize(args: Any = None,
         engine, stage, stages = result[0], model.stage_id, model.num_stages
         model.enable_planning(settings.config.budget_bytes(stage, stages), engine.micro_batches,
                               known_buffers=_known_buffers(engine),
-                              max_memory_bytes=settings.config.max_memory_bytes(stage, stages))
+                              max_memory_bytes=settings.config.max_memory_bytes(stage, stages),
+                              max_sequence_length=settings.config.max_sequence_length,
+                              sequence_dim=settings.config.sequence_dim,
+                              length_buckets=settings.config.length_buckets)
     return result
 
 
@@ -141,3 +144,15 @@ def _check_plannable(model: Any, param_dict: dict, key: str) -> None:
         raise ConfigError(key, param_dict["activation_checkpointing"][key.split(".")[1]],
                           "null unless the model is a ds_pipe_ckpt.PipelineModule",
                           "The planner chooses what each pipeline stage checkpoints.")
+    length = param_dict["activation_checkpointing"].get("max_sequence_length")
+    if model.dynamic_shape and length is None:
+        raise ConfigError("activation_checkpointing.max_sequence_length", None,
+                          f"the longest micro-batch (tokens) when {key} is set and the PipelineModule has "
+                          "dynamic_shape=True",
+                          "Micro-batches of variable length need the longest the data can give, so that the budget "
+                          "holds for every one of them; set sequence_dim too if the sequence is not dimension 1 "
+                          "of the tensors a stage receives.")
+    if not model.dynamic_shape and length is not None:
+        raise ConfigError("activation_checkpointing.max_sequence_length", length,
+                          "null unless the PipelineModule is built with dynamic_shape=True",
+                          "Without dynamic_shape DeepSpeed's engine sends one shape for every micro-batch.")

@@ -150,7 +150,7 @@ class PipelineModule(_DSPipelineModule):
 
         names = [spec_name(spec) for spec in self._layer_specs]
         plan, _, note = planned_partition(self._layer_specs, names, self.num_stages, self._partition_planning,
-                                          loss_fn=self.loss_fn)
+                                          loss_fn=self.loss_fn, data_parallel_size=self._topo.get_dim("data"))
         self.__dict__["partition_plan"] = plan
         self.__dict__["partition_profile_source"] = note
         self.parts = list(plan.boundaries)
@@ -272,7 +272,8 @@ class PipelineModule(_DSPipelineModule):
     # -- planning ---------------------------------------------------------------------
 
     def enable_planning(self, budget_bytes: int | None, micro_batches: int, known_buffers: tuple = (),
-                        max_memory_bytes: int | str | None = None) -> None:
+                        max_memory_bytes: int | str | None = None, max_sequence_length: int | None = None,
+                        sequence_dim: int = 1, length_buckets: int = 8) -> None:
         """Choose per layer what to checkpoint under a per-stage memory budget
         (``activation_checkpointing.memory_budget_mb`` or ``max_memory_mb``;
         ``ds_pipe_ckpt.initialize`` calls this). See :mod:`ds_pipe_ckpt.planning`.
@@ -291,8 +292,14 @@ class PipelineModule(_DSPipelineModule):
                 ZeRO's buffers, activations), or ``"auto"`` (CUDA: the device's
                 capacity less 10%); the budget is that less what is allocated
                 when the measuring step begins.
+            max_sequence_length: with ``dynamic_shape=True`` (required then),
+                the longest micro-batch along ``sequence_dim`` of the stage's
+                tensors: every length up to it is planned, so that any mix in
+                flight keeps the budget (:mod:`ds_pipe_ckpt.planning.shapes`), in
+                ``length_buckets`` ranges (1: one plan, for the longest).
         """
-        from .planning.stage import StagePlanner  # the planner is optional machinery
+        from .planning.shapes import SequenceLengths  # the planner is optional machinery
+        from .planning.stage import StagePlanner
 
         key = "activation_checkpointing." + ("max_memory_mb" if budget_bytes is None else "memory_budget_mb")
         value = budget_bytes / 2**20 if budget_bytes is not None else max_memory_bytes
@@ -306,9 +313,19 @@ class PipelineModule(_DSPipelineModule):
                               f"0 when {key} is set",
                               "The planner chooses which layers to checkpoint and where segments begin; set "
                               f"the interval to 0 (or drop {key.split('.')[1]} to checkpoint uniformly).")
+        if self.dynamic_shape and max_sequence_length is None:
+            raise ConfigError("activation_checkpointing.max_sequence_length", None,
+                              f"the longest micro-batch when {key} is set and dynamic_shape=True",
+                              "The budget must hold for every micro-batch length up to it.")
+        lengths = None
+        if max_sequence_length is not None:
+            if not self.dynamic_shape:
+                raise ConfigError("activation_checkpointing.max_sequence_length", max_sequence_length,
+                                  "null unless the PipelineModule is built with dynamic_shape=True")
+            lengths = SequenceLengths(max_sequence_length, sequence_dim, length_buckets)
         self.__dict__["_planner"] = StagePlanner(self, budget_bytes=budget_bytes, micro_batches=micro_batches,
                                                  known_buffers=tuple(known_buffers),
-                                                 max_memory_bytes=max_memory_bytes)
+                                                 max_memory_bytes=max_memory_bytes, lengths=lengths)
 
     @property
     def planning_enabled(self) -> bool:
@@ -323,6 +340,25 @@ class PipelineModule(_DSPipelineModule):
         budget is configured."""
         planner = self.__dict__.get("_planner")
         return None if planner is None else planner.planned
+
+    @property
+    def loss_fn(self) -> Callable[..., Any] | None:
+        """The loss, as given (DeepSpeed's engine calls ``module.loss_fn(outputs,
+        labels)`` on the last stage). While the planner measures variable
+        lengths, the call also shows it the measured micro-batch's labels."""
+        fn = self.given_loss_fn
+        planner = self.__dict__.get("_planner")
+        return fn if planner is None or fn is None else planner.observed_loss(fn)
+
+    @property
+    def given_loss_fn(self) -> Callable[..., Any] | None:
+        """The loss exactly as given (a module-valued loss is a submodule, as upstream registers it)."""
+        return self._modules["loss_fn"] if "loss_fn" in self._modules else self.__dict__.get("_loss_fn")
+
+    @loss_fn.setter
+    def loss_fn(self, fn: Callable[..., Any] | None) -> None:
+        # nn.Module registers a module-valued loss (its state) without calling this.
+        self.__dict__["_loss_fn"] = fn
 
     def train(self, mode: bool = True) -> "PipelineModule":
         """``nn.Module.train``. DeepSpeed's ``train_batch()`` calls it first: with

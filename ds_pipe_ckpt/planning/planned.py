@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .cost_model import ChainCosts, Decision, StageProblem
+from .length_plans import LengthPlans
 from .solver import StagePlan
 
 __all__ = ["PlannedStage", "plan_table"]
@@ -33,6 +34,21 @@ class PlannedStage:
     step_start_bytes: int | None = None
     # The peak of the measuring step (every layer checkpointed) that calibrated the plan.
     measuring_step_peak_bytes: int | None = None
+    # Variable-length micro-batches: one plan per length bucket (``plan`` is the
+    # longest's), and the length of the measured micro-batch.
+    lengths: LengthPlans | None = None
+    measured_length: int | None = None
+    planning_s: float = 0.0  # the planner's own time so far (measuring every length, solving)
+    # The first step (before any plan, every layer checkpointed): its peak above its
+    # start, and what it left allocated (allocated once: the optimizer's state,
+    # gradients that outlive steps, the engine's buffers), which no plan controls.
+    first_step_peak_bytes: int | None = None
+    first_step_kept_bytes: int | None = None
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        """The peak the plan keeps: for variable lengths, that of any mix in flight."""
+        return self.plan.predicted_peak_bytes if self.lengths is None else self.lengths.bound_bytes
 
     @property
     def layer_names(self) -> list[str]:
@@ -82,6 +98,8 @@ def plan_table(planned: PlannedStage) -> str:
         f"(of which {problem.base_bytes / MIB:.2f} MiB do not depend on the plan); recomputation "
         f"{plan.recompute_s * 1e3:.2f} ms per micro-batch.",
     ]
+    if planned.lengths is not None:
+        lines += _length_rows(planned)
     if problem.backward_keeps_graph:
         lines.append("The stage's backward keeps each micro-batch's graph to its end (DeepSpeed runs one backward "
                      "per floating-point tensor the stage sends, with retain_graph=True): its stored activations "
@@ -94,6 +112,33 @@ def plan_table(planned: PlannedStage) -> str:
         lines.append(f"Planned again: an earlier plan predicted {predicted / MIB:.2f} MiB and its step measured "
                      f"{measured / MIB:.2f} MiB; the difference is counted in the part that does not depend on "
                      "the plan.")
+    if planned.first_step_peak_bytes is not None:
+        kept = planned.first_step_kept_bytes
+        lines.append(f"The first step (no plan yet, every layer checkpointed) peaked at "
+                     f"{planned.first_step_peak_bytes / MIB:.2f} MiB above its start, of which {kept / MIB:.2f} MiB "
+                     "stayed allocated: memory allocated once, in the first step (the optimizer's state, gradients "
+                     "that outlive steps, the engine's buffers), which no plan controls and every later step begins "
+                     f"with. Without it: {(planned.first_step_peak_bytes - kept) / MIB:.2f} MiB. memory_budget_mb "
+                     "counts from a step's start, so it leaves this out; max_memory_mb counts it.")
     if planned.measured_peak_bytes is not None:
         lines.append(f"Measured peak of this plan's first step: {planned.measured_peak_bytes / MIB:.2f} MiB.")
     return "\n".join(lines)
+
+
+def _length_rows(planned: PlannedStage) -> list[str]:
+    """Variable lengths: the rows above are the longest micro-batch's plan; one
+    row per length bucket, and the peak any mix keeps."""
+    lengths = planned.lengths
+    lines = ["", f"Variable-length micro-batches (measured at length {planned.measured_length}; each bucket measured "
+             "at its longest length and planned for it):", "",
+             "| length up to | stored / checkpointed / selective layers | held MiB / micro-batch | recompute ms |",
+             "|---:|---|---:|---:|"]
+    for length_plan in lengths.by_length:
+        counts = length_plan.counts()
+        note = " (the longest's plan)" if length_plan.fallback else ""
+        lines.append(f"| {length_plan.length} | {counts[Decision.STORE]} / {counts[Decision.CHECKPOINT]} / "
+                     f"{counts[Decision.SELECTIVE]}{note} | {length_plan.held_bytes / MIB:.2f} "
+                     f"| {length_plan.plan.recompute_s * 1e3:.2f} |")
+    lines += ["", f"Any mix of lengths in flight peaks at most at {lengths.bound_bytes / MIB:.2f} MiB of the "
+              f"{planned.budget_bytes / MIB:.2f} MiB budget. Planner time so far: {planned.planning_s:.2f} s."]
+    return lines

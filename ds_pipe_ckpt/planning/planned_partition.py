@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from ..config import SECTION, CheckpointingConfig, load_ds_config
+from ..config import SECTION, CheckpointingConfig, load_ds_config, micro_batches_per_step
 from ..errors import ConfigError
 from .cost_model import LayerProfile
 from .layer_profiling import LayerChainProfile, profile_layer_specs
@@ -43,7 +43,10 @@ class PartitionPlanning:
     Attributes:
         memory_budget_mb: each stage's budget, as ``activation_checkpointing.memory_budget_mb``
             (MiB above what a step begins with): one number for every stage, or one per stage.
-        micro_batches: micro-batches per step (the engine's gradient accumulation steps).
+        micro_batches: micro-batches per step (the engine's gradient accumulation steps);
+            None: derived as DeepSpeed derives it, from ``train_batch_size`` and
+            ``train_micro_batch_size_per_gpu`` and the data-parallel size of the
+            module's topology.
         sample: one micro-batch's input to the first layer, as the data loader gives it
             (a tensor or a tuple); needed unless ``profile_path`` holds a saved profile.
         labels: that micro-batch's labels: with them the module's ``loss_fn`` is
@@ -55,15 +58,19 @@ class PartitionPlanning:
             does not profile again. A different number of stages, budget or
             micro-batch count re-plans from the same profile.
         device: where the layers are profiled (default: the sample's device).
+        train_batch_size, train_micro_batch_size_per_gpu: the DeepSpeed keys,
+            from which ``micro_batches`` is derived when it is None.
     """
 
     memory_budget_mb: float | Sequence[float]
-    micro_batches: int
+    micro_batches: int | None = None
     sample: Any = None
     labels: Any = None
     profile_path: str | None = None
     device: str | None = None
     budget_key: str = "partition_planning.memory_budget_mb"  # how messages name the budget
+    train_batch_size: int | None = None
+    train_micro_batch_size_per_gpu: int | None = None
 
     @classmethod
     def from_config(cls, config: Any, sample: Any = None, labels: Any = None,
@@ -73,7 +80,10 @@ class PartitionPlanning:
         stage's checkpointing plan are planned under the same budget:
 
         * ``activation_checkpointing.memory_budget_mb``: each stage's budget;
-        * ``gradient_accumulation_steps``: the micro-batches per step;
+        * ``gradient_accumulation_steps``: the micro-batches per step, or
+          ``train_batch_size`` and ``train_micro_batch_size_per_gpu``, from
+          which DeepSpeed derives it with the data-parallel size (derived
+          when the module's topology is known);
         * ``pipeline.partition_profile`` (optional): where the profile is kept.
 
         Raises:
@@ -95,18 +105,43 @@ class PartitionPlanning:
                               "partition_method \"planned\" cuts the stages so that each fits its budget, "
                               "and the per-stage planner keeps it at run time.")
         accumulation = param_dict.get("gradient_accumulation_steps")
-        if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
-            raise ConfigError("gradient_accumulation_steps", accumulation, "a positive int",
-                              "partition_method \"planned\" needs the micro-batches per step: each stage "
-                              "holds min(stages - stage, micro-batches) of them at once under 1F1B.")
+        if accumulation is not None and (isinstance(accumulation, bool) or not isinstance(accumulation, int)
+                                         or accumulation < 1):
+            raise ConfigError("gradient_accumulation_steps", accumulation, "a positive int or null")
         pipeline = param_dict.get("pipeline") or {}
         profile_path = pipeline.get("partition_profile")
         if profile_path is not None and not isinstance(profile_path, str):
             raise ConfigError(PROFILE_KEY, profile_path, "a file path (a string) or null")
         budget = settings.memory_budget_mb
-        return cls(memory_budget_mb=list(budget) if isinstance(budget, tuple) else budget,
+        planning = cls(memory_budget_mb=list(budget) if isinstance(budget, tuple) else budget,
                    micro_batches=accumulation, sample=sample, labels=labels, profile_path=profile_path,
-                   device=device, budget_key=f"{SECTION}.memory_budget_mb")
+                   device=device, budget_key=f"{SECTION}.memory_budget_mb",
+                   train_batch_size=param_dict.get("train_batch_size"),
+                   train_micro_batch_size_per_gpu=param_dict.get("train_micro_batch_size_per_gpu"))
+        if accumulation is None:
+            planning.micro_batches_for(None)  # the keys checked now; derived once the topology is known
+        return planning
+
+    def micro_batches_for(self, data_parallel_size: int | None) -> int | None:
+        """The micro-batches per step: ``micro_batches``, or derived from the
+        batch sizes as DeepSpeed derives ``gradient_accumulation_steps``
+        (``data_parallel_size`` None: only check that they can be; returns None).
+
+        Raises:
+            ConfigError: neither is given, or they do not multiply out."""
+        if self.micro_batches is not None:
+            if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) \
+                    or self.micro_batches < 1:
+                raise ConfigError("partition_planning.micro_batches", self.micro_batches, "a positive int")
+            return self.micro_batches
+        batch = {"train_batch_size": self.train_batch_size,
+                 "train_micro_batch_size_per_gpu": self.train_micro_batch_size_per_gpu}
+        if all(value is None for value in batch.values()):
+            raise ConfigError("gradient_accumulation_steps", None,
+                              "a positive int, or train_batch_size and train_micro_batch_size_per_gpu",
+                              "partition_method \"planned\" needs the micro-batches per step: each stage "
+                              "holds min(stages - stage, micro-batches) of them at once under 1F1B.")
+        return micro_batches_per_step(batch, data_parallel_size)
 
     def budgets_bytes(self, stages: int) -> tuple[int, ...]:
         """The budget of each stage in bytes. Raises ConfigError naming the value."""
@@ -210,7 +245,7 @@ def _first_rank_chain(specs: Sequence[Any], names: list[str], planning: Partitio
 
 
 def planned_partition(specs: Sequence[Any], names: list[str], stages: int, planning: PartitionPlanning,
-                      loss_fn: Any = None) -> tuple[PartitionPlan, LayerChainProfile, str]:
+                      loss_fn: Any = None, data_parallel_size: int = 1) -> tuple[PartitionPlan, LayerChainProfile, str]:
     """The cut of ``specs`` into ``stages`` (module docstring); the same on
     every rank. ``loss_fn`` (the module's) is profiled when the planning has
     labels. Returns the plan, the profile and where the profile came from.
@@ -220,9 +255,7 @@ def planned_partition(specs: Sequence[Any], names: list[str], stages: int, plann
             invalid, or a budget no cut fits (each stage's least budget named).
     """
     budgets = planning.budgets_bytes(stages)
-    if isinstance(planning.micro_batches, bool) or not isinstance(planning.micro_batches, int) \
-            or planning.micro_batches < 1:
-        raise ConfigError("partition_planning.micro_batches", planning.micro_batches, "a positive int")
+    micro_batches = planning.micro_batches_for(data_parallel_size)
     message: list[Any] = [None, None]
     if not dist.is_initialized() or dist.get_rank() == 0:
         message = list(_first_rank_chain(specs, names, planning, loss_fn))
@@ -231,14 +264,14 @@ def planned_partition(specs: Sequence[Any], names: list[str], stages: int, plann
     data, note = message
     chain = _chain_from_json(data)
     try:
-        plan = plan_partition(chain.partition_problem(stages, planning.micro_batches, budgets))
+        plan = plan_partition(chain.partition_problem(stages, micro_batches, budgets))
     except InfeasiblePartitionError as error:
         reason = str(error)
         raise ConfigError(planning.budget_key, planning.memory_budget_mb, "a budget some cut of the layers fits",
                           f"{reason[:1].upper()}{reason[1:]}. Raise the budget, lower the micro-batch size, or use more "
                           "stages.") from error
     budget_text = ", ".join(f"{b / MIB:.2f}" for b in budgets)
-    return plan, chain, (f"{note}; planned for {stages} stages, {planning.micro_batches} micro-batches per step, "
+    return plan, chain, (f"{note}; planned for {stages} stages, {micro_batches} micro-batches per step, "
                          f"budgets {budget_text} MiB")
 
 

@@ -41,16 +41,18 @@ def _train(engine, topology, inputs: torch.Tensor, targets: torch.Tensor, steps:
     sampler = GlobalBatchSampler(len(inputs), MICRO_BATCH, engine.gradient_accumulation_steps(), dp,
                                  engine.grid.get_data_parallel_rank(), steps, seed=0)
     batches = ((inputs[indices], targets[indices]) for indices in sampler)
-    losses, peak = [], 0
-    for step in range(1, steps + 1):
-        if step == measure_step:
-            gc.collect()
-            with track_memory("cpu") as tracker:
-                losses.append(float(engine.train_batch(data_iter=batches)))
-            peak = tracker.report.peak_bytes
-        else:
-            losses.append(float(engine.train_batch(data_iter=batches)))
-    return losses, peak
+    steps = [_step(engine, batches, measured=step == measure_step) for step in range(1, steps + 1)]
+    return [loss for loss, _ in steps], max(peak or 0 for _, peak in steps)
+
+
+def _step(engine, batches, measured: bool) -> tuple[float, int | None]:
+    """One ``train_batch``: its loss, and its peak bytes when ``measured``."""
+    if not measured:
+        return float(engine.train_batch(data_iter=batches)), None
+    gc.collect()
+    with track_memory("cpu") as tracker:
+        loss = float(engine.train_batch(data_iter=batches))
+    return loss, tracker.report.peak_bytes
 
 
 def _stage_peaks(peak: int, stage: int, pp: int) -> list[int]:
@@ -110,3 +112,65 @@ def pipeline_runs(checkpoints: dict[str, str], first_loss_layouts: list[tuple[st
         del engine
         gc.collect()
     return result
+
+
+def lora_engine(section: dict | None):
+    """pp=2: the example's Llama layers with peft's LoRA (r=4 on q_proj and
+    v_proj, as ``inject_adapter_in_model`` adds it), the base frozen."""
+    import ds_pipe_ckpt
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from examples.llama.model import CHECKPOINTABLE_LAYERS, causal_lm_loss, llama_layer_specs, small_config
+
+    module = ds_pipe_ckpt.PipelineModule(layers=llama_layer_specs(small_config(), seed=0), num_stages=2,
+                                         loss_fn=causal_lm_loss, partition_method="type:DecoderLayer",
+                                         checkpointable_layers=list(CHECKPOINTABLE_LAYERS))
+    torch.manual_seed(0)  # LoRA's A matrices are drawn from the default generator
+    inject_adapter_in_model(LoraConfig(r=4, target_modules=["q_proj", "v_proj"]), module)
+    for name, parameter in module.named_parameters():
+        parameter.requires_grad_("lora_" in name)
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4, "train_batch_size": 16,
+              "steps_per_print": 10**9, "pipeline": {"use_reentrant": False},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}
+    if section is not None:
+        config["activation_checkpointing"] = section
+    engine, _, _, _ = ds_pipe_ckpt.initialize(model=module, config=config,
+                                              model_parameters=[p for p in module.parameters() if p.requires_grad])
+    return engine
+
+
+def _token_batches(steps: int):
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(steps * 4):
+        tokens = torch.randint(0, 256, (4, SEQUENCE_LORA + 1), generator=generator)
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
+SEQUENCE_LORA = 64
+
+
+def lora_steps(fraction: float, steps: int) -> dict:
+    """Train LoRA without checkpointing (each stage's peak of its third step
+    sets the budgets: ``fraction`` of it), then planned: every step's peak,
+    the planner's own for step 0 (less what it allocates once), the
+    measuring step and the first planned step, ours around ``train_batch``
+    for the others."""
+    track_cpu_allocations()
+    engine = lora_engine(None)
+    data = _token_batches(steps)
+    none = [_step(engine, data, measured=step == 2) for step in range(steps)]
+    losses, peak = [loss for loss, _ in none], none[2][1]
+    stage = engine.stage_id
+    budgets = [round(fraction * p / 2**20, 4) for p in _stage_peaks(peak, stage, 2)]
+    del engine
+    gc.collect()
+    engine = lora_engine({"memory_budget_mb": budgets})
+    data = _token_batches(steps)
+    planned = [_step(engine, data, measured=step >= 3) for step in range(steps)]  # the planner measures 0-2
+    planned_losses, peaks = [loss for loss, _ in planned], [peak for _, peak in planned]
+    plan = engine.module.checkpoint_plan
+    peaks[:3] = [plan.first_step_peak_bytes - plan.first_step_kept_bytes, plan.measuring_step_peak_bytes,
+                 plan.measured_peak_bytes]
+    return {"stage": stage, "none_losses": losses, "losses": planned_losses, "budget_bytes": int(budgets[stage] * 2**20),
+            "step_peaks": peaks, "first_step": (plan.first_step_peak_bytes, plan.first_step_kept_bytes),
+            "table": plan.table()}

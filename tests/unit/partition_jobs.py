@@ -20,22 +20,32 @@ def layer_specs():
     return [LayerSpec(nn.Linear, 8, WIDTH), *blocks, LayerSpec(nn.Linear, WIDTH, 4)]
 
 
-def train_with_partition(method, budget_mb, profile_path, steps=3):
+def train_with_partition(method, budget_mb, profile_path, steps=3, from_config=False):
     """Train ``steps`` steps with ``partition_method=method``; returns the
-    losses, the cut and this rank's layers."""
+    losses, the cut and this rank's layers. ``from_config``: the planning read
+    by ``partition_from_config`` from a DeepSpeed config that gives
+    ``train_batch_size`` and ``train_micro_batch_size_per_gpu`` only (DeepSpeed
+    derives the gradient accumulation steps)."""
     ds_pipe_ckpt.configure()
     torch.manual_seed(0)
-    planning = None
-    if method == "planned":
-        sample = torch.randn(MICRO_BATCH, 8, generator=torch.Generator().manual_seed(1))
-        planning = PartitionPlanning(memory_budget_mb=budget_mb, micro_batches=GRAD_ACCUM, sample=sample,
-                                     labels=sample[:, :4].argmax(dim=-1), profile_path=profile_path)
-    module = PipelineModule(layers=layer_specs(), num_stages=2, loss_fn=nn.CrossEntropyLoss(), seed_layers=True,
-                            partition_method=method, partition_planning=planning)
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": GRAD_ACCUM,
               "train_batch_size": MICRO_BATCH * GRAD_ACCUM, "steps_per_print": 10**9}
+    planning = None
+    sample = torch.randn(MICRO_BATCH, 8, generator=torch.Generator().manual_seed(1))
+    labels = sample[:, :4].argmax(dim=-1)
+    if from_config:
+        del config["gradient_accumulation_steps"]
+        config |= {"pipeline": {"partition_method": method, "use_reentrant": False, "partition_profile": profile_path},
+                   "activation_checkpointing": {"memory_budget_mb": budget_mb}}
+        method, planning = ds_pipe_ckpt.partition_from_config(config, sample=sample, labels=labels)
+    elif method == "planned":
+        planning = PartitionPlanning(memory_budget_mb=budget_mb, micro_batches=GRAD_ACCUM, sample=sample,
+                                     labels=labels, profile_path=profile_path)
+    module = PipelineModule(layers=layer_specs(), num_stages=2, loss_fn=nn.CrossEntropyLoss(), seed_layers=True,
+                            partition_method=method, partition_planning=planning)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.05)
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
+    initialize = ds_pipe_ckpt.initialize if from_config else deepspeed.initialize
+    engine, _, _, _ = initialize(model=module, optimizer=optimizer, config=config)
     generator = torch.Generator().manual_seed(5)
     xs = torch.randn(steps * GRAD_ACCUM, MICRO_BATCH, 8, generator=generator)
     data = iter([(x, x[:, :4].argmax(dim=-1)) for x in xs])

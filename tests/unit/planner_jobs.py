@@ -129,3 +129,16 @@ def zero_floor(budget_mb: float, bucket_elements: int) -> str:
     except ds_pipe_ckpt.ConfigError as error:
         return str(error)
     return "no error"
+
+
+def refused_budget(budget_mb) -> dict:
+    """Train under ``memory_budget_mb = budget_mb``, which some stage cannot
+    keep; returns the ConfigError this rank raised and at which step."""
+    engine, _ = _engine(2, {"memory_budget_mb": budget_mb})
+    data = _batches(4)
+    for step in range(4):
+        try:
+            engine.train_batch(data_iter=data)
+        except ds_pipe_ckpt.ConfigError as error:
+            return {"stage": engine.stage_id, "step": step, "message": str(error)}
+    return {"stage": engine.stage_id, "step": None, "message": "no error"}

@@ -35,6 +35,19 @@ def runs(profile_path):
     return planned, uniform, again
 
 
+def test_a_config_without_gradient_accumulation_steps_trains_planned(runs, profile_path):
+    """DeepSpeed derives gradient_accumulation_steps from train_batch_size and
+    train_micro_batch_size_per_gpu (32 / 8 / 1 data-parallel rank = 4): so does
+    the planned partition, read by partition_from_config and trained through
+    ds_pipe_ckpt.initialize."""
+    planned, uniform, _ = runs
+    derived = run_ranks(partition_jobs.train_with_partition, 2, "planned", 64.0, profile_path, 3, True,
+                        timeout=TIMEOUT)
+    assert "planned for 2 stages, 4 micro-batches per step" in derived[0]["profile_source"]
+    assert derived[0]["boundaries"] == planned[0]["boundaries"]
+    assert derived[1]["losses"] == uniform[1]["losses"]
+
+
 def test_every_rank_agrees_on_the_planned_cut(runs):
     planned, _, _ = runs
     assert planned[0]["boundaries"] == planned[1]["boundaries"] == planned[0]["parts"]
@@ -97,10 +110,25 @@ def test_the_planning_reads_the_deepspeed_config():
     assert planning.budgets_bytes(2) == (40 * 2**20, 60 * 2**20)
 
 
+def test_the_micro_batches_are_derived_as_deepspeed_derives_them():
+    planning = PartitionPlanning.from_config({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4,
+                                              "pipeline": {"use_reentrant": False},
+                                              "activation_checkpointing": {"memory_budget_mb": 40}})
+    assert planning.micro_batches is None
+    assert [planning.micro_batches_for(dp) for dp in (1, 2, 4)] == [16, 8, 4]
+    with pytest.raises(ConfigError, match=r"train_batch_size = 64 is invalid: expected train_micro_batch_size_per_gpu "
+                                          r"x gradient_accumulation_steps x data-parallel size = 4 x 5 x 3"):
+        planning.micro_batches_for(3)
+    only_micro = PartitionPlanning(memory_budget_mb=40, train_micro_batch_size_per_gpu=4)
+    assert only_micro.micro_batches_for(2) == 1  # DeepSpeed: train_batch_size = micro x data parallel
+
+
 @pytest.mark.parametrize("change, match", [
     (dict(activation_checkpointing={}), "activation_checkpointing.memory_budget_mb.*each stage's budget"),
     (dict(activation_checkpointing={"max_memory_mb": 100}), "max_memory_mb.*give activation_checkpointing.memory_b"),
     (dict(gradient_accumulation_steps=0), "gradient_accumulation_steps.*a positive int"),
+    (dict(gradient_accumulation_steps=None), "gradient_accumulation_steps = None .*or train_batch_size and train_mic"),
+    (dict(gradient_accumulation_steps=None, train_batch_size=2.5), "train_batch_size = 2.5 .*a positive integer"),
     (dict(pipeline={"use_reentrant": False, "partition_profile": 3}), "pipeline.partition_profile.*a file path"),
     (dict(pipeline={"use_reentrant": True}), "memory_budget_mb.*null unless pipeline.use_reentrant is false"),
 ])

@@ -12,6 +12,9 @@ backward, so torch never recomputed it and its measurement never completed)
 and the first planned step of stage 0 measured 7-11% above its budget.
 """
 
+import re
+import time
+
 import pytest
 
 import planner_jobs
@@ -64,6 +67,24 @@ def test_the_floor_names_zeros_reduce_bucket():
     assert "is what the plan controls" in message
     assert "ZeRO stage 1's reduce bucket (zero_optimization.reduce_bucket_size = 5000000 elements of " in message
     assert "a smaller zero_optimization.reduce_bucket_size lowers it" in message
+
+
+@pytest.mark.parametrize("budget_mb, failing", [([10000, 0.01], 1), (5.0, 0)],
+                         ids=["stage_1_cannot", "shared_budget_stage_0_cannot"])
+def test_a_refused_budget_stops_every_rank_at_the_same_step(budget_mb, failing):
+    """A stage that cannot keep its budget stops every stage, with the same
+    error naming it and its least budget, at the same step: none is left
+    waiting in a send or receive (run_ranks' timeout would name it)."""
+    started = time.monotonic()
+    outcomes = run_ranks(planner_jobs.refused_budget, 2, budget_mb, timeout=180)
+    assert time.monotonic() - started < 120
+    assert [o["stage"] for o in outcomes] == [0, 1]
+    assert outcomes[0]["message"] == outcomes[1]["message"], outcomes
+    assert outcomes[0]["step"] == outcomes[1]["step"] == 2  # the step after the measuring step
+    message = outcomes[0]["message"]
+    assert re.search(rf"memory_budget_mb = .* is invalid: expected at least [0-9.]+ MiB for pipeline stage {failing}\.",
+                     message)
+    assert f"Raised on every rank at this step's start (pipeline stage {failing} cannot keep " in message
 
 
 @pytest.fixture(scope="module")
