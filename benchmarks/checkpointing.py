@@ -6,14 +6,16 @@ Run from the repository root::
     python -m benchmarks.checkpointing [--quick] [--json PATH] [--png PATH]
     python -m benchmarks.checkpointing --preset gpu --json PATH --png PATH   # on a GPU
     python -m benchmarks.checkpointing --threads 1 --workloads small_regions_32 small_regions_1024 \
-        --variants none torch_non_reentrant deepspeed_non_reentrant ours_non_reentrant   # per-call cost
+        --variants none torch_non_reentrant deepspeed_non_reentrant ours_non_reentrant --profile   # per-call cost
 
 For each workload (:mod:`benchmarks.workloads`) and variant
 (:mod:`benchmarks.variants`) it prints the peak memory of one forward+backward
 above the memory held before it, the memory still held after the forward, the
 analytic floor (:mod:`benchmarks.floor`), the median, min and max step time
 over the timed repetitions, and the ratios to no checkpointing and to
-DeepSpeed's non-reentrant checkpoint. Runs on CUDA when available, else CPU.
+DeepSpeed's non-reentrant checkpoint; on the small-regions workloads also the
+time per checkpointed call, and with ``--profile`` where it goes
+(:mod:`benchmarks.call_profile`). Runs on CUDA when available, else CPU.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 
 from ds_pipe_ckpt.testing import run_ranks  # noqa: E402
+from .call_profile import profile_variant  # noqa: E402
 from .floor import checkpointing_floor, segment_sizes  # noqa: E402
 from .measure import Result, Stage, measure_in_rank, measure_variants  # noqa: E402
 from .report import WorkloadReport, markdown, write_json, write_png  # noqa: E402
@@ -93,14 +96,18 @@ def _unavailable(variants: Sequence[Variant], device: torch.device) -> dict[str,
 
 
 def run_in_process(name: str, preset: str, device: torch.device, variants: Sequence[Variant],
-                   unavailable: dict[str, str], repetitions: int) -> WorkloadReport:
-    """Measure the in-process variants on one workload."""
+                   unavailable: dict[str, str], repetitions: int, profile: bool = False) -> WorkloadReport:
+    """Measure the in-process variants on one workload (and, with ``profile``,
+    profile one step of each checkpointing variant after the timed ones)."""
     workload = build_workload(name, preset)
     floor = checkpointing_floor(segment_sizes(workload, device))
     runnable = [v for v in variants if v.world_size is None and v.name not in unavailable]
-    results = measure_variants(Stage(workload, device), runnable, floor.floor_bytes, repetitions, WARMUP)
-    report = WorkloadReport(name, workload.description, floor, results)
+    stage = Stage(workload, device)
+    results = measure_variants(stage, runnable, floor.floor_bytes, repetitions, WARMUP)
+    report = WorkloadReport(name, workload.description, floor, results, regions=len(workload.segments))
     report.unavailable.update(unavailable)
+    if profile:
+        report.profiles = [profile_variant(stage, v, len(workload.segments)) for v in runnable if v.checkpoint]
     return report
 
 
@@ -148,6 +155,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="torch threads (default: torch's, i.e. the number of cores)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timed steps, profile one step of each in-process checkpointing variant "
+                        "(cProfile) and report where the time per region call goes")
     return parser
 
 
@@ -169,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    sizes=SIZES[args.preset], repetitions=repetitions, warmup=WARMUP)
 
     unavailable = _unavailable(variants, device)
-    reports = [run_in_process(name, args.preset, device, variants, unavailable, repetitions)
+    reports = [run_in_process(name, args.preset, device, variants, unavailable, repetitions, args.profile)
                for name in args.workloads]
     run_in_ranks(reports, args.preset, device, variants, unavailable, repetitions, threads)
     machine["load_average_at_end"] = os.getloadavg()

@@ -156,7 +156,9 @@ def measure_variants(stage: Stage, variants: Sequence[Variant], floor_bytes: int
     Memory is measured once per variant after warm-up (it is deterministic;
     :meth:`Stage.measure_memory` checks it).
     Timed steps go round-robin over the variants, so that a change in machine
-    load during the run affects every variant alike.
+    load during the run affects every variant alike, in reverse order every
+    other round, so that a garbage collection that comes at a fixed period of
+    steps does not land on the same variant every time.
     """
     results = []
     for candidate in variants:
@@ -166,8 +168,9 @@ def measure_variants(stage: Stage, variants: Sequence[Variant], floor_bytes: int
             memory = stage.measure_memory(candidate.checkpoint)
         results.append(Result(stage.workload.name, candidate.name, memory.peak_bytes,
                               memory.marks["forward"], floor_bytes if candidate.has_floor else None))
-    for _ in range(repetitions):
-        for candidate, result in zip(variants, results):
+    pairs = list(zip(variants, results))
+    for index in range(repetitions):
+        for candidate, result in (pairs if index % 2 == 0 else pairs[::-1]):
             with candidate.configured():
                 result.samples_s.append(stage.time_step(candidate.checkpoint))
     return results

@@ -8,6 +8,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from .call_profile import CallProfile, markdown_lines as profile_lines
 from .floor import Floor
 from .measure import Result
 from .variants import Variant
@@ -38,6 +39,8 @@ class WorkloadReport:
     results: list[Result]
     unavailable: dict[str, str] = field(default_factory=dict)  # variant -> reason
     notes: list[str] = field(default_factory=list)
+    regions: int | None = None  # checkpointed calls per step (segments), for the per-call figures
+    profiles: list[CallProfile] = field(default_factory=list)
 
     def result(self, variant: str) -> Result | None:
         return next((r for r in self.results if r.variant == variant), None)
@@ -76,6 +79,30 @@ def _table(report: WorkloadReport, variant_names: Sequence[str]) -> list[str]:
             f"| {_ratio(median, torch_own, 'time_median_s')} |")
     lines += [""] + [f"[{i}] {text}" for i, text in enumerate(footnotes, 1)]
     return lines
+
+
+def _per_call(report: WorkloadReport, variant_names: Sequence[str]) -> list[str]:
+    """Step time per checkpointed call on a small-regions workload (where the
+    step is nothing but checkpointing code), and the checkpointing code's own
+    share of it: the step time without checkpointing subtracted."""
+    if not report.name.startswith("small_regions_") or not report.regions:
+        return []
+    none, torch_own = report.result(BASELINE), report.result(TORCH)
+    lines = [f"Per region call ({report.regions} per step; medians): step time / {report.regions}, and the "
+             "checkpointing code's own part (minus the step without checkpointing):", "",
+             "| variant | ms per call | own ms per call | own ÷ torch non-reentrant's |", "|---|---:|---:|---:|"]
+    torch_cost = None if none is None or torch_own is None else torch_own.time_median_s - none.time_median_s
+    for name in variant_names:
+        result = report.result(name)
+        if result is None:
+            continue
+        per_call = result.time_median_s / report.regions
+        own = "-" if none is None or name == BASELINE else \
+            f"{(result.time_median_s - none.time_median_s) / report.regions * 1e3:.3f}"
+        versus = "-" if own == "-" or not torch_cost else \
+            f"{(result.time_median_s - none.time_median_s) / torch_cost:.2f}"
+        lines.append(f"| {name} | {per_call * 1e3:.3f} | {own} | {versus} |")
+    return lines + [""]
 
 
 def paired_ratio(samples: Sequence[float], reference: Sequence[float]) -> float:
@@ -131,6 +158,8 @@ def markdown(reports: Sequence[WorkloadReport], machine: dict, variants: Sequenc
         lines += [f"### {report.name}", "", report.description + ".", "", _floor_line(report.floor), ""]
         lines += _table(report, variant_names)
         lines += report.notes + [""]
+        lines += _per_call(report, variant_names)
+        lines += profile_lines(report.profiles)
     lines += _targets(reports)
     return "\n".join(lines) + "\n"
 

@@ -175,5 +175,7 @@ def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool | N
                                early_stop=early_stop, determinism_check=determinism_check, debug=debug,
                                verify=verify, context_fn=context_fn,
                                respect_saved_tensors_hooks=respect_saved_tensors_hooks)
-    region = Region(function, facts=settings.regions.facts_for(function))
+    region = settings.regions.region_for(function)
+    if not options.use_reentrant and not kwargs:  # what checkpoint_region would do, one call sooner
+        return checkpoint_non_reentrant(function, args, (), region, options, settings)
     return checkpoint_region(function, args, kwargs, region, options, settings=settings)

@@ -18,6 +18,7 @@ use for them (its recomputation always runs to the end; see
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -25,6 +26,7 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from .config import CheckpointingConfig
 from .errors import ConfigError
+from .recompute import torch_determinism_check
 from .selective import ops_to_keep, selective_context_fn
 
 __all__ = ["CheckpointOptions", "DETERMINISM_CHECKS"]
@@ -120,18 +122,24 @@ class CheckpointOptions:
     @functools.cached_property
     def torch_keywords(self) -> dict[str, Any]:
         """The keyword arguments of ``torch.utils.checkpoint.checkpoint`` for
-        these options (computed once: every non-reentrant call passes them)."""
+        these options (computed once: every non-reentrant call passes them).
+        Those equal to the installed torch's own defaults are left out: each
+        wrapper around torch's checkpoint passes its keywords on again."""
         if self.selective:
             context_fn = selective_context_fn(ops_to_keep(self.save_ops))
         else:
             context_fn = self.context_fn if self.context_fn is not None else torch_checkpoint.noop_context_fn
+        determinism_check = torch_determinism_check(self.determinism_check, torch_contexts=self.context_fn is None)
         keywords = {"use_reentrant": False, "preserve_rng_state": self.preserve_rng_state, "context_fn": context_fn,
-                    "determinism_check": self.determinism_check, "debug": self.debug,
+                    "determinism_check": determinism_check, "debug": self.debug,
                     # verify compares every op of the recomputation: it must run to the end.
                     "early_stop": self.early_stop and not self.verify}
         if self.respect_saved_tensors_hooks is not None:
             keywords["respect_saved_tensors_hooks"] = self.respect_saved_tensors_hooks
-        return keywords
+        defaults = {name: parameter.default
+                    for name, parameter in inspect.signature(torch_checkpoint.checkpoint).parameters.items()}
+        return {name: value for name, value in keywords.items()
+                if not (type(value) is type(defaults.get(name)) and value == defaults[name])}
 
     def learning(self) -> "CheckpointOptions":
         """The options of a reentrant-mode region's first call, which runs

@@ -6,12 +6,16 @@ with silently different gradients.
 What decides the gradients of a checkpointed region is the tensors its
 recomputation saves for backward: the backward runs through the forward's own
 autograd graph and only takes those tensors from the recomputation. So that
-is what is checked, always, at the cost of one Python call per saved tensor:
+is what is checked, always, at the cost of a Python call per saved tensor in the
+forward and in each recomputation (the largest part of the per-call cost on
+small regions: docs/performance.md):
 
 * :class:`SavedTensorProbe` stands in front of torch checkpoint's own
   saved-tensor hooks, in the forward and in the recomputation, and records
   for every saved tensor where it comes from (an input of the region, the op
-  behind its autograd node, or no autograd history) with its shape and dtype.
+  behind its autograd node, or no autograd history) with its shape, dtype and
+  device (a superset of torch's own "default" check, which is then not asked
+  for: :func:`torch_determinism_check`).
   torch's early stop stays on: the recomputation ends when it has rebuilt as
   many tensors as the forward saved, and the sequence it built is compared
   with the forward's. A recomputation that finishes having saved fewer (a
@@ -37,6 +41,7 @@ generators) cannot be seen without keeping what checkpointing exists to free.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Iterator
 
 import torch
@@ -45,10 +50,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .errors import InPlaceInputError, RecomputeMismatchError
-from .hooks import TransparentHooks, top_hooks
+from .hooks import CAN_SEE_CHECKPOINT_HOOKS, pop_hooks, push_hooks, top_saved_tensors_hooks
 from .regions import Region
 
-__all__ = ["SavedTensorProbe", "OpTrace", "mismatch", "renamed", "require_tensor_output", "STOP_RECOMPUTATION"]
+__all__ = ["SavedTensorProbe", "OpTrace", "mismatch", "renamed", "require_tensor_output", "STOP_RECOMPUTATION",
+           "torch_determinism_check"]
 
 # torch raises this from its recomputation hook to stop a recomputation early
 # (torch >= 2.1); it passes through the region's function on its way out.
@@ -109,6 +115,22 @@ def renamed(region: Region, error: BaseException) -> RecomputeMismatchError | No
     return None
 
 
+def torch_determinism_check(determinism_check: str, *, torch_contexts: bool) -> str:
+    """The ``determinism_check`` to pass to torch's checkpoint for a call with
+    ``determinism_check`` (see the module docstring); ``torch_contexts``: the
+    call runs under torch's own context managers only (no caller's ``context_fn``).
+
+    torch's "default" check describes every tensor the recomputation saves by
+    shape, dtype and device, and compares them with the forward's; the probe
+    compares those and where each tensor comes from. Where the probe is sure
+    to run (torch's hooks are visible from inside the region, and no caller's
+    context manager can put hooks in front of them) torch is asked for "none",
+    so that each saved tensor is described once; its count check stays."""
+    if determinism_check == "default" and torch_contexts and CAN_SEE_CHECKPOINT_HOOKS:
+        return "none"
+    return determinism_check
+
+
 # -- what a saved tensor is --------------------------------------------------------------
 
 # A saved tensor's origin: an input of the region (which one is not recorded: a
@@ -118,10 +140,10 @@ def renamed(region: Region, error: BaseException) -> RecomputeMismatchError | No
 _INPUT = "input"
 
 
-def _describe_saved(entry: tuple | None) -> str:
+def _describe_saved(entry: tuple | None, device: bool = False) -> str:
     if entry is None:
         return "nothing"
-    origin, shape, dtype = entry
+    origin, shape, dtype, where = entry
     if origin == _INPUT:
         what = "an input of the region"
     elif origin is True:
@@ -130,122 +152,137 @@ def _describe_saved(entry: tuple | None) -> str:
         what = "a tensor without autograd history (a constant, or computed without grad)"
     else:
         what = f"the output of the op recorded as {origin.__name__}"
-    return f"{what}, {list(shape)} {str(dtype).removeprefix('torch.')}"
+    on = f" on {where}" if device else ""
+    return f"{what}, {list(shape)} {str(dtype).removeprefix('torch.')}{on}"
+
+
+_FIELDS = 4  # per saved tensor in a record: origin, shape, dtype, device
 
 
 def _entries(record: list) -> list[tuple]:
-    """A flat record (origin, shape, dtype, origin, shape, dtype, ...) as one tuple per saved tensor."""
-    return [tuple(record[i:i + 3]) for i in range(0, len(record), 3)]
+    """A flat record (origin, shape, dtype, device, origin, ...) as one tuple per saved tensor."""
+    return [tuple(record[i:i + _FIELDS]) for i in range(0, len(record), _FIELDS)]
 
 
-class _Pack:
-    """The probe's pack hook: records a saved tensor's origin, shape and dtype
-    (flat, three list items per tensor: fewer objects live until backward),
-    then hands it to torch checkpoint's own pack hook. A slotted callable
-    rather than a closure: it runs once per saved tensor, and each closure
-    would keep its cells alive until the backward."""
+def _unpack(torch_unpack: Callable[[Any], torch.Tensor], region: Region, handle: Any) -> torch.Tensor:
+    """The forward's unpack hook (bound to its first two arguments): torch
+    checkpoint's own, with its errors renamed to name the region (torch
+    recomputes the region inside its unpack hook and checks the result there,
+    outside the region's function)."""
+    try:
+        return torch_unpack(handle)
+    except (InPlaceInputError, RecomputeMismatchError):
+        raise
+    except torch_checkpoint.CheckpointError as error:
+        if isinstance(error.__cause__, RecomputeMismatchError):
+            # torch's debug mode wrapped ours: keep our message, add its op traces.
+            raise RecomputeMismatchError(f"{error.__cause__}\n\ntorch's debug report:\n{error}") from error
+        raise mismatch(region, _first_line(error)) from error
+    except RuntimeError as error:
+        if _INPUT_MODIFIED in str(error):  # autograd's version check of a saved input
+            raise modified_input(region, _first_line(error)) from error
+        raise
 
-    # _user_hooks: set by torch's checkpoint while the pair is on the hooks stack (ds_pipe_ckpt.hooks)
-    __slots__ = ("torch_pack", "input_ids", "record", "_user_hooks")
+
+class SavedTensorProbe:
+    """Watches the tensors one checkpointed call of a region saves for backward
+    (see the module docstring).
+
+    :meth:`run_forward` runs the forward, :meth:`run_recomputation` each
+    recomputation; both push the probe itself, as the pack hook, in front of
+    the pair torch's checkpoint has just pushed (marked as torch's own, see
+    :mod:`ds_pipe_ckpt.hooks`): it records each saved tensor and hands it on
+    to torch's pack hook. The forward's unpack hook renames torch's errors
+    (:func:`_unpack`). One slotted object per call serves as probe and pack
+    hook: the saved tensors keep the forward's pack hook alive until the
+    backward, and every object alive per region until then is work for the
+    garbage collector.
+    """
+
+    # _user_hooks: set while the probe is on the hooks stack (ds_pipe_ckpt.hooks)
+    __slots__ = ("region", "compare", "forward_saved", "_torch_pack", "_input_ids", "_saved", "_user_hooks")
     _checkpoint_internal = True  # see ds_pipe_ckpt.hooks
 
-    def __init__(self, torch_pack: Callable[[torch.Tensor], Any], inputs: tuple, record: list):
-        self.torch_pack = torch_pack
-        ids = set()
-        for value in inputs:
-            if isinstance(value, torch.Tensor):
-                ids.add(id(value))
-        self.input_ids = ids
-        self.record = record
+    def __init__(self, region: Region, *, compare: bool = True):
+        self.region = region
+        self.compare = compare  # False (determinism_check="none"): only name torch's own errors
+        # What the forward saved, flat: (origin, shape, dtype, device) for each tensor, in order
+        # (a flat list of plain values: fewer objects alive until the backward).
+        self.forward_saved: list | None = None
+        # While a run is in progress: torch's pack hook, the ids of the run's
+        # tensor inputs, the record being built.
+        self._torch_pack = self._input_ids = self._saved = self._user_hooks = None
 
     def __call__(self, tensor: torch.Tensor) -> Any:
-        if id(tensor) in self.input_ids:
+        """The pack hook: record ``tensor``, then hand it to torch's."""
+        if id(tensor) in self._input_ids:
             origin = _INPUT
         else:
             node = tensor.grad_fn
             origin = type(node) if node is not None else tensor.requires_grad
         # A plain tuple, not the torch.Size: the collector untracks a tuple of ints,
         # so it is never promoted to the old generation while the region is in flight.
-        self.record += (origin, tuple(tensor.shape), tensor.dtype)
-        return self.torch_pack(tensor)
+        self._saved += (origin, tuple(tensor.shape), tensor.dtype, tensor.device)
+        return self._torch_pack(tensor)
 
-
-class _Unpack:
-    """The probe's unpack hook: torch checkpoint's own, with its errors renamed
-    to name the region (torch recomputes the region inside its unpack hook and
-    checks the result there, outside the region's function)."""
-
-    __slots__ = ("torch_unpack", "region")
-
-    def __init__(self, torch_unpack: Callable[[Any], torch.Tensor], region: Region):
-        self.torch_unpack = torch_unpack
-        self.region = region
-
-    def __call__(self, handle: Any) -> torch.Tensor:
-        try:
-            return self.torch_unpack(handle)
-        except (InPlaceInputError, RecomputeMismatchError):
-            raise
-        except torch_checkpoint.CheckpointError as error:
-            if isinstance(error.__cause__, RecomputeMismatchError):
-                # torch's debug mode wrapped ours: keep our message, add its op traces.
-                raise RecomputeMismatchError(f"{error.__cause__}\n\ntorch's debug report:\n{error}") from error
-            raise mismatch(self.region, _first_line(error)) from error
-        except RuntimeError as error:
-            if _INPUT_MODIFIED in str(error):  # autograd's version check of a saved input
-                raise modified_input(self.region, _first_line(error)) from error
-            raise
-
-
-class SavedTensorProbe:
-    """Watches the tensors one region saves for backward (see the module docstring).
-
-    :meth:`run_forward` runs the region's forward, :meth:`run_recomputation`
-    each recomputation; both push a saved-tensor hooks pair on top of the pair
-    torch's checkpoint has just pushed (marked as torch's own, see
-    :mod:`ds_pipe_ckpt.hooks`) and delegate every save and unpack to it.
-    """
-
-    __slots__ = ("region", "compare", "forward_saved")
-
-    def __init__(self, region: Region, *, compare: bool = True):
-        self.region = region
-        self.compare = compare  # False (determinism_check="none"): only name torch's own errors
-        self.forward_saved: list | None = None  # flat: see _Pack
-
-    def run_forward(self, run: Callable[[tuple], Any], args: tuple) -> Any:
-        """``run(args)``, the forward, recording what it saves."""
-        torch_hooks = top_hooks()
-        if torch_hooks is None:  # not under a checkpoint (grad disabled): nothing is saved
-            return run(args)
+    def run_forward(self, run: Callable[..., Any], args: tuple) -> Any:
+        """``run(*args)``, the forward, recording what it saves."""
+        hooks = top_saved_tensors_hooks(False)
+        if hooks is None or not getattr(hooks[0], "_checkpoint_internal", False):
+            return run(*args)  # not under a checkpoint (grad disabled): nothing is saved
+        torch_pack = hooks[0]
+        unpack = functools.partial(_unpack, hooks[1], self.region)  # built in C: no __init__ frame
+        if not self.compare:  # torch's own pack hook (it carries the mark and its _user_hooks)
+            push_hooks(torch_pack, unpack)
+            try:
+                return run(*args)
+            finally:
+                pop_hooks()
+        # Set up here and in run_recomputation rather than in a helper: a call, on every call.
+        # The ids of all arguments: a saved tensor cannot share one with a live non-tensor.
         saved: list = []
-        pack = _Pack(torch_hooks[0], args, saved)
-        with TransparentHooks(pack, _Unpack(torch_hooks[1], self.region)):
-            out = run(args)
-        # The saved tensors keep the pack hook until the backward; the inputs' ids are not needed after.
-        pack.input_ids = None
+        self._torch_pack, self._input_ids, self._saved = torch_pack, set(map(id, args)), saved
+        self._user_hooks = getattr(torch_pack, "_user_hooks", None)
+        push_hooks(self, unpack)
+        try:
+            out = run(*args)
+        finally:
+            pop_hooks()
+            # The saved tensors keep the probe alive until the backward; through it they
+            # must not keep torch's hook (a cycle back to torch's frame) or the user's hooks.
+            self._torch_pack = self._input_ids = self._saved = self._user_hooks = None
         self.forward_saved = saved
         return out
 
-    def run_recomputation(self, run: Callable[[tuple], Any], args: tuple) -> Any:
-        """``run(args)``, a recomputation, checked against the forward."""
-        torch_hooks = top_hooks()
-        if torch_hooks is None or self.forward_saved is None or not self.compare:
-            return run(args)
+    def run_recomputation(self, run: Callable[..., Any], args: tuple) -> Any:
+        """``run(*args)``, a recomputation, checked against the forward."""
+        forward = self.forward_saved
+        hooks = top_saved_tensors_hooks(False) if forward is not None else None  # None: the forward recorded nothing
+        if hooks is None or not getattr(hooks[0], "_checkpoint_internal", False):
+            return run(*args)
+        torch_pack = hooks[0]
         saved: list = []
+        self._torch_pack, self._input_ids, self._saved = torch_pack, set(map(id, args)), saved
+        self._user_hooks = getattr(torch_pack, "_user_hooks", None)
+        push_hooks(self, hooks[1])  # torch's own unpack hook: it raises nothing
         try:
-            with TransparentHooks(_Pack(torch_hooks[0], args, saved), _Unpack(torch_hooks[1], self.region)):
-                out = run(args)
+            try:
+                out = run(*args)
+            finally:
+                pop_hooks()
+                self._torch_pack = self._input_ids = self._saved = self._user_hooks = None
         except STOP_RECOMPUTATION:
             # torch stopped it once it had rebuilt as many tensors as the forward saved.
-            self._compare(saved, finished=False)
+            if saved != forward:
+                self._compare(saved, finished=False)
             raise
         except torch_checkpoint.CheckpointError as error:  # e.g. more tensors than the forward saved
             if isinstance(error, RecomputeMismatchError):
                 raise
             self._compare(saved, finished=False, cause=error)
             raise mismatch(self.region, _first_line(error)) from error
-        self._compare(saved, finished=True)
+        if saved != forward:
+            self._compare(saved, finished=True)
         return out
 
     def _compare(self, recomputed: list, *, finished: bool, cause: BaseException | None = None) -> None:
@@ -259,8 +296,9 @@ class SavedTensorProbe:
         i = next((i for i, (a, b) in enumerate(zip(forward, recomputed)) if a != b),
                  min(len(forward), len(recomputed)))
         if i < len(recomputed) and i < len(forward):
-            problem = (f"saved tensor #{i} differs: the forward saved {_describe_saved(forward[i])}; "
-                       f"the recomputation saved {_describe_saved(recomputed[i])}.")
+            device = forward[i][:-1] == recomputed[i][:-1]  # they differ only by device: name it
+            problem = (f"saved tensor #{i} differs: the forward saved {_describe_saved(forward[i], device)}; "
+                       f"the recomputation saved {_describe_saved(recomputed[i], device)}.")
         elif i >= len(recomputed):
             problem = (f"the recomputation finished having saved {len(recomputed)} tensor(s) for backward where "
                        f"the forward saved {len(forward)} (a shorter path); the first one it did not save: "

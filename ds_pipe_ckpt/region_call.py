@@ -7,8 +7,12 @@ module buffers the forward changes as they were before it, the tensors the
 region saves, with ``verify_recompute`` every op); around each recomputation
 it replays and checks them, inside the region placement's synchronisation and
 timing, and leaves the modules' buffers as the forward left them
-(:mod:`ds_pipe_ckpt.module_state`). It runs on every checkpointed call, so it is
-written as plain code rather than stacked context managers.
+(:mod:`ds_pipe_ckpt.module_state`).
+
+It runs on every checkpointed call, so it is written for that: one slotted
+object per call, plain code rather than stacked context managers, and the
+region's function called directly unless keyword arguments, an op trace or an
+observer need a wrapper.
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ class RegionCall:
             planner's per-layer measurement; None on the usual path.
     """
 
+    __slots__ = ("fn", "region", "kwarg_names", "tracker", "probe", "trace", "placement", "observer", "plain",
+                 "tracker_states", "buffers", "forward_done")
+
     def __init__(self, fn: Callable[..., Any], region: Region, *, kwarg_names: tuple[str, ...] = (),
                  tracker: Any = None, check: bool = True, verify: bool = False,
                  placement: RegionPlacement | None = None, observer: Any = None):
@@ -57,47 +64,50 @@ class RegionCall:
         self.trace = OpTrace(region) if verify else None
         self.placement = placement
         self.observer = observer
+        # Nothing needs to stand between the probe and the region's function: the
+        # probe calls it directly (else through _forward_run / _recomputation_run).
+        self.plain = not kwarg_names and not verify and observer is None
         self.tracker_states: dict | None = None  # the tracker's states when the forward started
         self.buffers: KeptBuffers | None = None  # module buffers the forward changed, as before it
         self.forward_done = False
-        self.recomputations = 0
 
-    def _run(self, args: tuple) -> Any:
+    # -- the region's function, as the probe runs it: run(*args) ----------------------
+
+    def _forward_run(self, *args: Any) -> Any:
+        if self.observer is not None:
+            return self.observer.forward(self._call_recording, args)
+        return self._call_recording(args)
+
+    def _recomputation_run(self, *args: Any) -> Any:
+        if self.observer is not None:
+            return self.observer.recomputation(self._call_replaying, args)
+        return self._call_replaying(args)
+
+    def _call_recording(self, args: tuple) -> Any:
+        if self.trace is not None:
+            with self.trace:
+                return self._call(args)
+        return self._call(args)
+
+    def _call_replaying(self, args: tuple) -> Any:
+        if self.trace is not None:
+            with self.trace.replaying():
+                return self._call(args)
+        return self._call(args)
+
+    def _call(self, args: tuple) -> Any:
         if not self.kwarg_names:
             return self.fn(*args)
         split = len(args) - len(self.kwarg_names)
         return self.fn(*args[:split], **dict(zip(self.kwarg_names, args[split:])))
 
-    def _run_recording(self, args: tuple) -> Any:
-        if self.trace is not None:
-            with self.trace:
-                return self._run(args)
-        return self._run(args)
-
-    def _run_replaying(self, args: tuple) -> Any:
-        if self.trace is not None:
-            with self.trace.replaying():
-                return self._run(args)
-        return self._run(args)
-
-    def _forward_run(self) -> Callable[[tuple], Any]:
-        if self.observer is not None:
-            return lambda args: self.observer.forward(self._run_recording, args)
-        return self._run if self.trace is None else self._run_recording
-
-    def _recomputation_run(self) -> Callable[[tuple], Any]:
-        if self.observer is not None:
-            return lambda args: self.observer.recomputation(self._run_replaying, args)
-        return self._run if self.trace is None else self._run_replaying
+    # -- torch's calls -------------------------------------------------------------------
 
     def __call__(self, *args: Any) -> Any:
         if self.forward_done:
             return self._recompute(args)
         self.forward_done = True
-        return self._forward(args)
-
-    def _forward(self, args: tuple) -> Any:
-        # Written for the per-call cost: plain loops, no comprehensions (each is a call).
+        # The forward. Written for the per-call cost: plain loops, no comprehensions (each is a call).
         tracker = self.tracker
         if tracker is not None and tracker.states_:
             # No streams (no model-parallel seed set): nothing to replay. get_states()
@@ -113,7 +123,7 @@ class RegionCall:
             for value in args:
                 if isinstance(value, torch.Tensor):
                     watched.append((len(watched), value, value._version))
-        run = self._run if self.observer is None and self.trace is None else self._forward_run()
+        run = self.fn if self.plain else self._forward_run
         # Module buffers the forward changes (ds_pipe_ckpt.module_state); owners == (): none at all.
         buffers = keep_buffers(region, self.fn) if grad and facts.buffers.owners != () else None
         if buffers is None:
@@ -130,7 +140,6 @@ class RegionCall:
         return out
 
     def _recompute(self, args: tuple) -> Any:
-        self.recomputations += 1
         placement, tracker, states = self.placement, self.tracker, self.tracker_states
         started = placement.begin_recomputation() if placement is not None else None
         live = live_buffers = None
@@ -140,9 +149,8 @@ class RegionCall:
         buffers = self.buffers
         if buffers is not None:
             live_buffers = buffers.swap_in()
-        run = self._run if self.observer is None and self.trace is None else self._recomputation_run()
         try:
-            return self.probe.run_recomputation(run, args)
+            return self.probe.run_recomputation(self.fn if self.plain else self._recomputation_run, args)
         except STOP_RECOMPUTATION:  # torch's early stop, on every recomputation
             raise
         except Exception as error:

@@ -7,10 +7,10 @@ class, a bound method or a ``functools.partial`` of one by
 ``Class.method``). Facts learned on a region's first call (:class:`RegionFacts`:
 whether its forward modifies an input in place) are kept per region so that
 later calls act on them: a pipeline module keeps them per segment, and
-:class:`RegionRegistry` keeps them for functions, keyed by what the function
-*is* (the same module, the same method of the same object, the same code with
-the same captured objects) rather than by the callable object, which callers
-such as transformers create anew on every call.
+:class:`RegionRegistry` keeps one :class:`Region` per function, keyed by what
+the function *is* (the same module, the same method of the same object, the
+same code with the same captured objects) rather than by the callable object,
+which callers such as transformers create anew on every call.
 """
 
 from __future__ import annotations
@@ -80,10 +80,10 @@ class Region:
     """A checkpointed region, for messages and for what is learned about it.
 
     ``name`` is a string, or the checkpointed callable itself, described (by
-    :func:`describe_callable`) only when a message needs it: regions are
-    created on every checkpointed call. ``modules``: the modules the region is
-    made of, where its callable does not show them (a pipeline segment's
-    layers); None: found from the callable (:func:`modules_of`).
+    :func:`describe_callable`) only when a message needs it: a pipeline module
+    creates a region on every checkpointed call. ``modules``: the modules the
+    region is made of, where its callable does not show them (a pipeline
+    segment's layers); None: found from the callable (:func:`modules_of`).
     """
 
     __slots__ = ("_name", "micro_batch", "facts", "modules")
@@ -181,7 +181,7 @@ def region_key(function: Callable[..., Any]) -> tuple[Hashable, tuple[Any, ...]]
     call is recognised as long as ``layer`` is the same object.
     """
     if isinstance(function, nn.Module):  # the common case, on every call: no unwrapping
-        return ("object", id(function), None), (function, )
+        return id(function), (function, )
     target, instance = _unwrap(function)
     code = getattr(target, "__code__", None)
     if code is not None:
@@ -193,6 +193,8 @@ def region_key(function: Callable[..., Any]) -> tuple[Hashable, tuple[Any, ...]]
                 captured.append(None)
         key = ("function", code, tuple(map(id, captured)), id(instance) if instance is not None else None)
         return key, (*captured, instance)
+    if instance is None and isinstance(target, nn.Module):  # e.g. a partial of a module: the module's key
+        return id(target), (target, )
     return ("object", id(target), id(instance) if instance is not None else None), (target, instance)
 
 
@@ -205,23 +207,27 @@ def _weak(value: Any) -> Callable[[], Any] | None:
 
 
 class RegionRegistry:
-    """Facts about the functions given to :func:`ds_pipe_ckpt.checkpoint`.
+    """The regions of the functions given to :func:`ds_pipe_ckpt.checkpoint`,
+    one per function (see the module docstring), with what each showed on its
+    first call.
 
     Keys hold object identities, which Python reuses once an object is freed,
     so each entry also keeps weak references to the objects it stands for: an
     entry whose objects are gone is not taken for a new object at the same
-    address. Bounded (least recently used first out). Facts are re-checked on
-    every call anyway: a region that modifies an input it was not known to
+    address. A region is named when it is first seen, and holds its name, not
+    its function. Bounded (least recently used first out). Facts are re-checked
+    on every call anyway: a region that modifies an input it was not known to
     modify fails loudly.
     """
 
     def __init__(self, capacity: int = 4096):
         self._capacity = capacity
-        self._entries: collections.OrderedDict[Hashable, tuple[RegionFacts, tuple]] = collections.OrderedDict()
+        self._entries: collections.OrderedDict[Hashable, tuple[Region, tuple]] = collections.OrderedDict()
 
-    def facts_for(self, function: Callable[..., Any]) -> RegionFacts:
+    def region_for(self, function: Callable[..., Any]) -> Region:
+        """The region ``function`` is a call of (a new one the first time)."""
         if isinstance(function, nn.Module):  # the common case, on every call: the shortest path
-            key = ("object", id(function), None)
+            key = id(function)  # region_key()'s key for a module, without building it
             entry = self._entries.get(key)
             if entry is not None and entry[1][0]() is function:
                 self._entries.move_to_end(key)
@@ -231,12 +237,16 @@ class RegionRegistry:
         if entry is not None and all(ref is None or ref() is anchor for ref, anchor in zip(entry[1], anchors)):
             self._entries.move_to_end(key)
             return entry[0]
-        facts = RegionFacts()
-        self._entries[key] = (facts, tuple(_weak(anchor) for anchor in anchors))
+        region = Region(f"function {describe_callable(function)}")
+        self._entries[key] = (region, tuple(_weak(anchor) for anchor in anchors))
         self._entries.move_to_end(key)
         if len(self._entries) > self._capacity:
             self._entries.popitem(last=False)
-        return facts
+        return region
+
+    def facts_for(self, function: Callable[..., Any]) -> RegionFacts:
+        """What ``function``'s region showed on its first call."""
+        return self.region_for(function).facts
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -57,13 +57,9 @@ class CheckpointingSettings:
         """:meth:`CheckpointOptions.resolve` of ``keywords`` (``None``: as
         configured) under this configuration, cached: it runs on every
         checkpointed call."""
-        # Types too: True and 1 are equal keys, and only one of them is valid.
-        # A plain loop: a generator expression would be a call per keyword.
-        parts = []
-        for name, value in keywords.items():
-            if value is not None:
-                parts += (name, type(value), value)
-        key = tuple(parts)
+        # Names, values and their types: True and 1 are equal keys, and only one of them is valid.
+        values = tuple(keywords.values())
+        key = (tuple(keywords), values, tuple(map(type, values)))
         try:
             return self._options[key]
         except KeyError:

@@ -42,3 +42,35 @@ def test_the_region_loop_runs(capsys):
     finally:
         torch.set_num_threads(threads)
     assert "N = 4: torch " in capsys.readouterr().out
+
+
+def test_the_per_call_figures_and_profile_are_reported(capsys):
+    threads = torch.get_num_threads()
+    try:
+        assert checkpointing.main(["--threads", "1", "--repetitions", "5", "--workloads", "small_regions_32",
+                                   "--variants", "none", "torch_non_reentrant", "ours_non_reentrant",
+                                   "--profile"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    report = capsys.readouterr().out
+    assert "| variant | ms per call | own ms per call | own ÷ torch non-reentrant's |" in report
+    assert "| ours_non_reentrant | " in report.split("| variant | ms per call |")[1]
+    assert "Profile (cProfile, garbage collector off), per region call" in report
+    assert "ours_non_reentrant: ds_pipe_ckpt's own time per region call" in report
+
+
+def test_the_region_loop_measures_the_ablations(capsys):
+    from benchmarks import region_loop
+    from ds_pipe_ckpt.recompute import SavedTensorProbe
+    from ds_pipe_ckpt.region_call import RegionCall
+
+    before = (SavedTensorProbe.run_forward, RegionCall.__call__)
+    threads = torch.get_num_threads()
+    try:
+        region_loop.main(["4", "--rounds", "2", "--ablations"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    for name in ("ours", "ours_check_off", "ours_no_renaming", "ours_bare_call"):
+        assert f"{name} / torch" in out
+    assert (SavedTensorProbe.run_forward, RegionCall.__call__) == before  # the patches are undone
