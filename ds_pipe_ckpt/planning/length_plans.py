@@ -25,8 +25,9 @@ planner would make for the maximum shape): ``y`` is its single peak and
 ``h`` the most the rest of the budget allows, so no length plans worse than
 it. Each shorter length then takes the least-recomputation plan within both
 limits: the exact solver under the combined limit, tightened until both hold
-(a few solves), or the longest length's plan where that recomputes less
-(it holds both limits: a layer keeps no more for a shorter micro-batch).
+(a few solves), or a longer length's plan where that recomputes less (it
+holds both limits too: a layer keeps no more for a shorter micro-batch), so
+that no length recomputes more than a longer one.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class LengthPlan:
     engine_bytes: int  # e: the engine's copies of one micro-batch's stage input and output
     held_bytes: int  # H + e
     single_peak_bytes: int  # P1 + 2e
-    fallback: bool = False  # no plan of its own met both limits: the longest length's plan
+    borrowed_from: int | None = None  # the longer length whose plan this is (it recomputes least here)
 
     def counts(self) -> dict[Decision, int]:
         """Layers per decision."""
@@ -107,9 +108,10 @@ def _evaluated(problem: StageProblem, segments: tuple[Segment, ...]) -> StagePla
 
 
 def _length_plan(length: int, problem: StageProblem, plan: StagePlan, engine_bytes: int,
-                 fallback: bool = False) -> LengthPlan:
+                 borrowed_from: int | None = None) -> LengthPlan:
     held, single = held_and_single_peak(problem, plan)
-    return LengthPlan(length, problem, plan, engine_bytes, held + engine_bytes, single + 2 * engine_bytes, fallback)
+    return LengthPlan(length, problem, plan, engine_bytes, held + engine_bytes, single + 2 * engine_bytes,
+                      borrowed_from)
 
 
 def plan_lengths(problems: dict[int, StageProblem], engine_bytes: dict[int, int]) -> LengthPlans:
@@ -132,11 +134,15 @@ def plan_lengths(problems: dict[int, StageProblem], engine_bytes: dict[int, int]
     single_limit = longest.single_peak_bytes
     room = longest_problem.budget_bytes - fixed_bytes - single_limit
     held_limit = max(longest.held_bytes, room // (k - 1)) if k > 1 else longest.held_bytes
-    plans = []
-    for length in lengths[:-1]:
+    def over(plan: LengthPlan) -> int:
+        """How far ``plan`` is above its limits (<= 0: within both)."""
+        return max((k - 1) * (plan.held_bytes - held_limit), plan.single_peak_bytes - single_limit)
+
+    plans = [longest]  # from the longest down
+    for length in reversed(lengths[:-1]):
         problem, e = problems[length], engine_bytes[length]
         limit = fixed(length) + (k - 1) * held_limit + single_limit  # budget' of the module docstring
-        chosen = None
+        candidates = []
         for _ in range(TIGHTENINGS):
             if limit < problem.base_bytes:
                 break
@@ -145,14 +151,18 @@ def plan_lengths(problems: dict[int, StageProblem], engine_bytes: dict[int, int]
                                          e)
             except InfeasibleBudgetError:
                 break
-            over = max((k - 1) * (candidate.held_bytes - held_limit), candidate.single_peak_bytes - single_limit)
-            if over <= 0:
-                chosen = candidate
+            if over(candidate) <= 0:
+                candidates.append(candidate)
                 break
-            limit -= over
-        fallback = _length_plan(length, problem, _evaluated(problem, longest.plan.segments), e, fallback=True)
-        if chosen is None or chosen.plan.recompute_s > fallback.plan.recompute_s:
-            chosen = fallback
-        plans.append(chosen)
-    return LengthPlans(by_length=(*plans, longest), in_flight=k, fixed_bytes=fixed_bytes,
+            limit -= over(candidate)
+        # A longer length's plan keeps the limits here too (a layer keeps no more for a
+        # shorter micro-batch), and may recompute less than a tightened solve: the
+        # least recomputation of all wins; the longest's plan stands whatever it is.
+        for longer in plans:
+            borrowed = _length_plan(length, problem, _evaluated(problem, longer.plan.segments), e,
+                                    borrowed_from=longer.borrowed_from or longer.length)
+            if over(borrowed) <= 0 or longer is longest:
+                candidates.append(borrowed)
+        plans.append(min(candidates, key=lambda plan: plan.plan.recompute_s))  # stable: the own solve first
+    return LengthPlans(by_length=tuple(reversed(plans)), in_flight=k, fixed_bytes=fixed_bytes,
                        held_limit_bytes=held_limit, single_limit_bytes=single_limit)

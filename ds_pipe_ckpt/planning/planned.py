@@ -135,7 +135,7 @@ def _length_rows(planned: PlannedStage) -> list[str]:
              "|---:|---|---:|---:|"]
     for length_plan in lengths.by_length:
         counts = length_plan.counts()
-        note = " (the longest's plan)" if length_plan.fallback else ""
+        note = f" (the plan of length {length_plan.borrowed_from})" if length_plan.borrowed_from else ""
         lines.append(f"| {length_plan.length} | {counts[Decision.STORE]} / {counts[Decision.CHECKPOINT]} / "
                      f"{counts[Decision.SELECTIVE]}{note} | {length_plan.held_bytes / MIB:.2f} "
                      f"| {length_plan.plan.recompute_s * 1e3:.2f} |")

@@ -201,5 +201,6 @@ def test_every_mix_in_flight_keeps_the_budget_and_no_length_plans_worse_than_the
         assert (held + engine[n], single + 2 * engine[n]) == (by_length[n].held_bytes, by_length[n].single_peak_bytes)
         # One length in flight: the bound's formula is the cost model's own peak.
         assert _mixed_peak(by_length, (n, ) * in_flight) == predicted_peak_bytes(problems[n], by_length[n].plan.segments)
-        # Never more recomputation than the longest length's plan would cost at this length.
-        assert by_length[n].plan.recompute_s <= recompute_seconds(problems[n], by_length[64].plan.segments)
+        # Never more recomputation than any longer length's plan would cost at this length.
+        for longer in (m for m in lengths if m > n):
+            assert by_length[n].plan.recompute_s <= recompute_seconds(problems[n], by_length[longer].plan.segments)
