@@ -78,6 +78,21 @@ AUTO = "auto"
 
 POLICIES = ("full", "selective")
 
+# Micro-batches of variable length: the length ranges planned apart by default.
+LENGTH_BUCKETS = 8
+SEQUENCE_DIM_ALLOWED = ("an integer >= 0: the dimension of a stage's tensors that holds the sequence "
+                        "(1 for [batch, sequence, ...], 0 for [sequence, batch, ...])")
+LENGTH_BUCKETS_ALLOWED = ("a positive integer: how many length ranges up to max_sequence_length are planned "
+                          "apart (1: one plan, made for the longest)")
+
+
+def require_int(key: str, value: Any, minimum: int, allowed: str) -> int:
+    """``value`` if it is an int (not a bool) of at least ``minimum``; else a
+    ConfigError naming ``key`` with ``allowed``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(key, value, allowed)
+    return value
+
 
 def _require_bool(key: str, value: Any) -> bool:
     # bool is an int subclass and "false" is truthy: accept real booleans only.
@@ -119,7 +134,7 @@ class CheckpointingConfig:
     max_memory_mb: float | tuple[float, ...] | str | None = None
     max_sequence_length: int | None = None
     sequence_dim: int = 1
-    length_buckets: int = 8
+    length_buckets: int = LENGTH_BUCKETS
 
     def __post_init__(self):
         key_of = {f: (f"{PIPELINE}.{f}" if f == "use_reentrant" else f"{SECTION}.{f}")
@@ -213,28 +228,19 @@ class CheckpointingConfig:
     def _check_lengths(self, key_of: dict[str, str]) -> None:
         length, dim = self.max_sequence_length, self.sequence_dim
         if length is not None:
-            if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-                raise ConfigError(key_of["max_sequence_length"], length,
-                                  "a positive integer: the longest micro-batch along sequence_dim, or null")
+            require_int(key_of["max_sequence_length"], length, 1,
+                        "a positive integer: the longest micro-batch along sequence_dim, or null")
             if not self.plans:
                 raise ConfigError(key_of["max_sequence_length"], length,
                                   "null unless memory_budget_mb or max_memory_mb is set",
                                   "It says which micro-batch lengths a memory budget must hold for.")
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
-            raise ConfigError(key_of["sequence_dim"], dim,
-                              "an integer >= 0: the dimension of a stage's tensors that holds the sequence "
-                              "(1 for [batch, sequence, ...], 0 for [sequence, batch, ...])")
-        if dim != 1 and length is None:
-            raise ConfigError(key_of["sequence_dim"], dim, "1 (the default) unless max_sequence_length is set",
-                              "sequence_dim says where max_sequence_length is measured.")
-        buckets = self.length_buckets
-        if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1:
-            raise ConfigError(key_of["length_buckets"], buckets,
-                              "a positive integer: how many length ranges up to max_sequence_length are planned "
-                              "apart (1: one plan, made for the longest)")
-        if buckets != 8 and length is None:
-            raise ConfigError(key_of["length_buckets"], buckets, "8 (the default) unless max_sequence_length is set",
-                              "length_buckets splits the lengths up to max_sequence_length.")
+        require_int(key_of["sequence_dim"], dim, 0, SEQUENCE_DIM_ALLOWED)
+        require_int(key_of["length_buckets"], self.length_buckets, 1, LENGTH_BUCKETS_ALLOWED)
+        for name, default, meaning in (("sequence_dim", 1, "where max_sequence_length is measured"),
+                                       ("length_buckets", LENGTH_BUCKETS, "how the lengths up to it are split")):
+            if getattr(self, name) != default and length is None:
+                raise ConfigError(key_of[name], getattr(self, name),
+                                  f"{default} (the default) unless max_sequence_length is set", f"It says {meaning}.")
 
     @staticmethod
     def _of_stage(key: str, budget: Any, stage: int, num_stages: int) -> Any:

@@ -13,7 +13,7 @@ from deepspeed.runtime import utils as ds_utils
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
 from .checkpoint import checkpoint_region
-from .config import validate_interval
+from .config import LENGTH_BUCKETS, validate_interval
 from .errors import ConfigError
 from .regions import Region, RegionFacts, describe_callable, modules_of
 from .settings import current_settings
@@ -273,7 +273,7 @@ class PipelineModule(_DSPipelineModule):
 
     def enable_planning(self, budget_bytes: int | None, micro_batches: int, known_buffers: tuple = (),
                         max_memory_bytes: int | str | None = None, max_sequence_length: int | None = None,
-                        sequence_dim: int = 1, length_buckets: int = 8) -> None:
+                        sequence_dim: int = 1, length_buckets: int = LENGTH_BUCKETS) -> None:
         """Choose per layer what to checkpoint under a per-stage memory budget
         (``activation_checkpointing.memory_budget_mb`` or ``max_memory_mb``;
         ``ds_pipe_ckpt.initialize`` calls this). See :mod:`ds_pipe_ckpt.planning`.

@@ -21,17 +21,17 @@ follows the plan of the bucket its length falls in.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..config import SECTION
+from ..config import LENGTH_BUCKETS, LENGTH_BUCKETS_ALLOWED, SECTION, SEQUENCE_DIM_ALLOWED, require_int
 from ..errors import ConfigError
 
-__all__ = ["SequenceLengths", "LENGTH_BUCKETS"]
+__all__ = ["SequenceLengths", "LENGTH_BUCKETS"]  # LENGTH_BUCKETS: config's, the default
 
-LENGTH_BUCKETS = 8
 MAX_LENGTH_KEY = f"{SECTION}.max_sequence_length"
 DIM_KEY = f"{SECTION}.sequence_dim"
 
@@ -46,14 +46,11 @@ class SequenceLengths:
     buckets: int = LENGTH_BUCKETS
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_length, bool) or not isinstance(self.max_length, int) or self.max_length < 1:
-            raise ConfigError(MAX_LENGTH_KEY, self.max_length, "a positive integer (tokens)")
-        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 0:
-            raise ConfigError(DIM_KEY, self.dim, "an integer >= 0 (1: [batch, sequence, ...])")
-        if isinstance(self.buckets, bool) or not isinstance(self.buckets, int) or self.buckets < 1:
-            raise ConfigError(f"{SECTION}.length_buckets", self.buckets, "a positive integer")
+        require_int(MAX_LENGTH_KEY, self.max_length, 1, "a positive integer (tokens)")
+        require_int(DIM_KEY, self.dim, 0, SEQUENCE_DIM_ALLOWED)
+        require_int(f"{SECTION}.length_buckets", self.buckets, 1, LENGTH_BUCKETS_ALLOWED)
 
-    @property
+    @cached_property
     def edges(self) -> tuple[int, ...]:
         """The longest length of each bucket, ascending; the last is ``max_length``."""
         count = min(self.buckets, self.max_length)
