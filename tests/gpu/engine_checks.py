@@ -43,7 +43,6 @@ import math
 import os
 import platform
 import socket
-import statistics
 import sys
 import time
 import traceback

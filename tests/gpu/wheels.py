@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
@@ -142,7 +141,8 @@ def installs_on_target(wheel: Wheel) -> bool:
         if abi not in _ABI_TAGS:
             continue
         match = _MANYLINUX.fullmatch(platform)
-        if platform == "any" or (match and int(match.group(1) or 5) <= _GLIBC_MINOR):
+        # manylinux1, 2010 and 2014 (no group) need glibc 2.5, 2.12 and 2.17: all installable there
+        if platform == "any" or (match and int(match.group(1) or 0) <= _GLIBC_MINOR):
             return True
     return False
 
