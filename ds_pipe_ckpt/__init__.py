@@ -10,9 +10,12 @@ Drop-in imports::
 The mode is the DeepSpeed JSON flag ``"pipeline": {"use_reentrant": false}``.
 """
 
+import warnings as _warnings
+
+from . import compat
 from .checkpoint import checkpoint
 from .config import CheckpointingConfig
-from .errors import ConfigError, InPlaceInputError, RecomputeMismatchError, ReentrantFallbackWarning
+from .errors import ConfigError, InPlaceInputError, RecomputeMismatchError, ReentrantFallbackWarning, UpstreamLimitError
 from .initialize import initialize
 from .placement.runtime import profile_records, reset
 from .pipe import LayerSpec, PipelineModule, TiedLayerSpec
@@ -37,6 +40,21 @@ __all__ = [
     "RecomputeMismatchError",
     "InPlaceInputError",
     "ReentrantFallbackWarning",
+    "UpstreamLimitError",
 ]
 
 __version__ = "0.1.0"
+
+
+def _warn_outside_the_tested_range() -> None:
+    problems = compat.unsupported_versions()
+    if not compat.CHECKPOINT_HOOKS_VISIBLE:
+        problems.append(f"torch {compat.torch.__version__}'s checkpoint hooks are not recognised: the recompute check "
+                        "falls back to torch's own determinism_check (its errors do not name the layer) and memory "
+                        "planning is unavailable")
+    if problems:
+        _warnings.warn("ds_pipe_ckpt: " + "; ".join(problems) + ". The tested range is in README.md "
+                       "(\"Supported versions\").", UserWarning, stacklevel=3)
+
+
+_warn_outside_the_tested_range()

@@ -33,6 +33,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
+from .compat import require_deepspeed_reentrant
 from .inputs import SavedInputs
 from .options import CheckpointOptions
 from .placement.runtime import placement_for
@@ -107,6 +108,7 @@ def checkpoint_region(function: Callable[..., Any], args: tuple, kwargs: dict, r
             settings.warn_once("reentrant-fallback", _FALLBACK_WARNING.format(name=region.name),
                                ReentrantFallbackWarning)
             return checkpoint_non_reentrant(function, flat, kwarg_names, region, options.learning(), settings)
+        require_deepspeed_reentrant()  # on the region's first call, not on its first through DeepSpeed
         if not region.facts.learned:
             return checkpoint_non_reentrant(function, flat, kwarg_names, region, options.learning(), settings)
         if region.facts.mutates_inputs:

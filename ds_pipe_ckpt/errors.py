@@ -6,7 +6,7 @@ and says how to fix it.
 
 from torch.utils.checkpoint import CheckpointError
 
-__all__ = ["ConfigError", "RecomputeMismatchError", "InPlaceInputError", "ReentrantFallbackWarning"]
+__all__ = ["ConfigError", "RecomputeMismatchError", "InPlaceInputError", "ReentrantFallbackWarning", "UpstreamLimitError"]
 
 
 class ConfigError(ValueError, AssertionError):
@@ -51,3 +51,11 @@ class ReentrantFallbackWarning(UserWarning):
     """Reentrant checkpointing was asked for a call whose tensor inputs do not
     require grad; the call used the non-reentrant checkpoint so that the
     parameters inside it still get their gradients."""
+
+
+class UpstreamLimitError(RuntimeError):
+    """What was asked for runs in DeepSpeed's (or torch's) own code, and the
+    installed version of it cannot run it on this device. The message names
+    the version, the device and the way around it (another mode, or a newer
+    release); ds_pipe_ckpt raises it before calling into that code, instead of
+    the library's own failure (:mod:`ds_pipe_ckpt.compat`)."""

@@ -9,6 +9,7 @@ import deepspeed
 import torch
 from deepspeed.pipe import PipelineModule as _DSPipelineModule
 
+from .compat import resolve_use_reentrant
 from .config import CheckpointingConfig, load_ds_config, pipeline_interval
 from .errors import ConfigError
 from .settings import configure
@@ -73,8 +74,10 @@ def initialize(args: Any = None,
                                   config=config,
                                   mesh_param=mesh_param,
                                   config_params=config_params)
-    if mpu is None and isinstance(model, _DSPipelineModule):
-        mpu = model.mpu()
+    if isinstance(model, _DSPipelineModule):
+        resolve_use_reentrant(model, param_dict)
+        if mpu is None:
+            mpu = model.mpu()
     settings = configure(mpu=mpu, deepspeed_config=param_dict)
     if settings.config.plans:
         engine, stage, stages = result[0], model.stage_id, model.num_stages

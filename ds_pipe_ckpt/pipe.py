@@ -13,6 +13,7 @@ from deepspeed.runtime import utils as ds_utils
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
 from .checkpoint import checkpoint_region
+from .compat import require_checkpoint_hooks
 from .config import LENGTH_BUCKETS, validate_interval
 from .errors import ConfigError
 from .regions import Region, RegionFacts, describe_callable, modules_of
@@ -194,9 +195,26 @@ class PipelineModule(_DSPipelineModule):
         return CUSTOM
 
     def set_checkpoint_interval(self, interval: int) -> None:
-        """Checkpoint every ``interval`` layers from the next forward on (0 disables)."""
+        """Checkpoint every ``interval`` layers from the next forward on (0 disables).
+
+        Not upstream's: before 0.19 it set an attribute nothing reads
+        (``checkpoint_interval``), so the interval did not change."""
         validate_interval("activation_checkpoint_interval", interval)
-        super().set_checkpoint_interval(interval)
+        self.activation_checkpoint_interval = interval
+        self._precompute_checkpointable_values()
+
+    def _precompute_checkpointable_values(self) -> None:
+        """Which segments of the current interval are checkpointed
+        (``is_checkpointable_results``), rebuilt when the interval or the mode
+        changes. Not upstream's: before 0.19 it appended the new results to the
+        old ones, so after a change of mode the forward read stale entries."""
+        interval = self.activation_checkpoint_interval
+        if interval > 0 and self.is_checkpointable_results_interval != interval:
+            funcs = self.forward_funcs
+            self.is_checkpointable_results = [self._is_checkpointable(funcs[start:start + interval])
+                                              for start in range(0, len(funcs), interval)]
+            self.interval_was_zero = False
+            self.is_checkpointable_results_interval = interval
 
     def _is_checkpointable(self, funcs: Sequence[Any]) -> bool:
         if self.checkpoint_mode == NON_REENTRANT:
@@ -305,6 +323,7 @@ class PipelineModule(_DSPipelineModule):
         value = budget_bytes / 2**20 if budget_bytes is not None else max_memory_bytes
         if (budget_bytes is None) == (max_memory_bytes is None):
             raise ValueError("enable_planning: give budget_bytes or max_memory_bytes, one of them")
+        require_checkpoint_hooks(key, value)
         if self.checkpoint_mode != NON_REENTRANT:
             raise ConfigError(key, value, "null unless pipeline.use_reentrant is false",
                               "The planner checkpoints with torch's non-reentrant checkpoint (and selectively).")

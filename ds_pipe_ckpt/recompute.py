@@ -50,15 +50,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .errors import InPlaceInputError, RecomputeMismatchError
-from .hooks import CAN_SEE_CHECKPOINT_HOOKS, pop_hooks, push_hooks, top_saved_tensors_hooks
+from .compat import (CHECKPOINT_HOOKS_VISIBLE, STOP_RECOMPUTATION, is_checkpoint_pack_hook, pop_hooks, push_hooks,
+                     top_saved_tensors_hooks)
 from .regions import Region
 
 __all__ = ["SavedTensorProbe", "OpTrace", "mismatch", "renamed", "require_tensor_output", "STOP_RECOMPUTATION",
            "torch_determinism_check"]
-
-# torch raises this from its recomputation hook to stop a recomputation early
-# (torch >= 2.1); it passes through the region's function on its way out.
-STOP_RECOMPUTATION: type[BaseException] = getattr(torch_checkpoint, "_StopRecomputationError", type(None))
 
 CAUSES = (
     "Usual causes: an op whose saved tensors depend on torch.is_grad_enabled() or on "
@@ -126,7 +123,7 @@ def torch_determinism_check(determinism_check: str, *, torch_contexts: bool) -> 
     to run (torch's hooks are visible from inside the region, and no caller's
     context manager can put hooks in front of them) torch is asked for "none",
     so that each saved tensor is described once; its count check stays."""
-    if determinism_check == "default" and torch_contexts and CAN_SEE_CHECKPOINT_HOOKS:
+    if determinism_check == "default" and torch_contexts and CHECKPOINT_HOOKS_VISIBLE:
         return "none"
     return determinism_check
 
@@ -228,7 +225,7 @@ class SavedTensorProbe:
     def run_forward(self, run: Callable[..., Any], args: tuple) -> Any:
         """``run(*args)``, the forward, recording what it saves."""
         hooks = top_saved_tensors_hooks(False)
-        if hooks is None or not getattr(hooks[0], "_checkpoint_internal", False):
+        if hooks is None or not is_checkpoint_pack_hook(hooks[0]):
             return run(*args)  # not under a checkpoint (grad disabled): nothing is saved
         torch_pack = hooks[0]
         unpack = functools.partial(_unpack, hooks[1], self.region)  # built in C: no __init__ frame
@@ -258,7 +255,7 @@ class SavedTensorProbe:
         """``run(*args)``, a recomputation, checked against the forward."""
         forward = self.forward_saved
         hooks = top_saved_tensors_hooks(False) if forward is not None else None  # None: the forward recorded nothing
-        if hooks is None or not getattr(hooks[0], "_checkpoint_internal", False):
+        if hooks is None or not is_checkpoint_pack_hook(hooks[0]):
             return run(*args)
         torch_pack = hooks[0]
         saved: list = []

@@ -38,6 +38,7 @@ import torch
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .compat import require_deepspeed_reentrant
 from .errors import InPlaceInputError
 from .module_state import KeptBuffers, keep_buffers
 from .recompute import mismatch, require_tensor_output
@@ -145,6 +146,7 @@ def reentrant_checkpoint(function: Callable[..., Any], args: tuple, kwarg_names:
                          *, inputs_are_copied: bool) -> Any:
     """``deepspeed.checkpointing.checkpoint`` of ``function`` (see the module docstring);
     ``args`` ends with the values of the keyword arguments named ``kwarg_names``."""
+    require_deepspeed_reentrant()
     for_backward = torch.is_grad_enabled()
     buffers = keep_buffers(region, function) if for_backward else None
     wrapped = ReentrantRegion(function, region, kwarg_names, inputs_are_copied=inputs_are_copied, buffers=buffers,

@@ -41,6 +41,7 @@ import torch.nn as nn
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from ..checkpoint import checkpoint_region
+from ..compat import require_checkpoint_hooks
 from ..regions import Region, RegionFacts, modules_of
 from ..selective import ops_to_keep
 from ..settings import current_settings
@@ -112,6 +113,7 @@ def profile_layer_specs(specs: Sequence[Any], sample: Any, *, device: torch.devi
             although it takes time to recompute (named), so that its backward
             and recomputation cannot be measured.
     """
+    require_checkpoint_hooks("pipeline.partition_method", "planned")
     if not specs:
         raise ValueError("profile_layer_specs: no layers to profile")
     first = sample[0] if isinstance(sample, tuple) else sample

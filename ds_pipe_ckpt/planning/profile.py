@@ -34,6 +34,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ..compat import backward_keeps_graph
 from ..hooks import TransparentHooks, top_hooks
 from .cost_model import LayerProfile
 
@@ -60,16 +61,6 @@ def tensor_bytes(values: Iterable[Any]) -> int:
                 seen.add(storage.data_ptr())
                 total += storage.nbytes()
     return total
-
-
-def backward_keeps_graph() -> bool | None:
-    """Inside a backward: whether it keeps the graph (``retain_graph=True``).
-    None outside a backward, and where this torch has no way to tell."""
-    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    if query is None or task is None or task() == -1:
-        return None
-    return bool(query())
 
 
 class StorageLedger:

@@ -9,6 +9,7 @@ import torch.nn as nn
 
 import ds_pipe_ckpt
 from ds_pipe_ckpt import LayerSpec, PipelineModule, TiedLayerSpec
+from ds_pipe_ckpt.compat import engine_inputs_require_grad
 
 
 class CountingReLU(nn.Module):
@@ -148,7 +149,7 @@ def train(case, pp, steps=10, micro_batch=16, grad_accum=2):
         "local_layers": [type(f).__name__ for f in module.forward_funcs],
         "micro_batches": steps * grad_accum,
         "initial_first_weight": first_weight,
-        "input_requires_grad": engine._reentrant_activation_checkpointing(),
+        "input_requires_grad": engine_inputs_require_grad(engine),
         "params": {name: p.detach().clone() for name, p in module.named_parameters()},
         "buffers": {name: b.clone() for name, b in module.named_buffers()},
         "planned": module.checkpoint_plan is not None,

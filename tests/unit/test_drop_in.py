@@ -21,6 +21,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
 import ds_pipe_ckpt
+from ds_pipe_ckpt.compat import MARKS_CHECKPOINT_HOOKS, require_deepspeed_reentrant
 from ds_pipe_ckpt import ConfigError, InPlaceInputError, RecomputeMismatchError, ReentrantFallbackWarning
 
 MODES = [pytest.param(True, id="reentrant"), pytest.param(False, id="non_reentrant")]
@@ -310,6 +311,7 @@ class CachedWeightNorm(nn.Module):
 def test_upstream_reentrant_checkpoint_silently_drops_the_cached_parameters_gradient():
     """What users get from DeepSpeed: the cache is built under no_grad in the
     forward, the recomputation reuses it, and v never gets a gradient."""
+    require_deepspeed_reentrant()  # upstream's own limit on this DeepSpeed and device: skipped
     module = CachedWeightNorm()
     x = torch.randn(2, 4, requires_grad=True)
     ds_checkpointing.checkpoint(module, x).sum().backward()
@@ -446,6 +448,12 @@ def test_a_users_own_saved_tensor_hooks_are_still_seen_by_selective_checkpointin
     block = _dropout_block()
     context_fn = functools.partial(torch_checkpoint.create_selective_checkpoint_contexts,
                                    [torch.ops.aten.addmm.default])
+    warned = []
     for checkpoint_fn in (torch_checkpoint.checkpoint, ds_pipe_ckpt.checkpoint):
-        with torch.autograd.graph.save_on_cpu(), pytest.warns(FutureWarning, match="respect_saved_tensors_hooks"):
+        with torch.autograd.graph.save_on_cpu(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             checkpoint_fn(block, torch.randn(4, 8, requires_grad=True), use_reentrant=False, context_fn=context_fn)
+        warned.append([str(w.message) for w in caught if "respect_saved_tensors_hooks" in str(w.message)])
+    assert warned[0] == warned[1]
+    if MARKS_CHECKPOINT_HOOKS:  # torch >= 2.14 sees the user's hooks (and warns); before, it ignores every hook
+        assert warned[0], "torch's checkpoint did not warn"
