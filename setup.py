@@ -34,9 +34,11 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["ds_pipe_ckpt", "ds_pipe_ckpt.*"]),
+    # The range `make compat` runs the unit tests against (README.md, "Supported
+    # versions"; ds_pipe_ckpt.compat.TORCH_RANGE and DEEPSPEED_RANGE say the same).
     install_requires=[
-        "torch>=2.4",
-        "deepspeed>=0.19.8,<0.20",
+        "torch>=2.11,<2.16",
+        "deepspeed>=0.16.9,<0.20",
         "numpy",
     ],
     extras_require={
