@@ -8,6 +8,7 @@
 #   make benchmark-pipeline - python -m benchmarks.pipeline --budget 0.3 0.5 0.75 (per stage, in the engine)
 #   make benchmark-partition - the planned partition against DeepSpeed's, GPT and Llama at pp=2 and 4 (about 30 min)
 #   make benchmark-lengths - variable-length micro-batches: plans per length against one for the longest (encoder, pp=2)
+#   make compat          - the unit tests against every supported (DeepSpeed, torch) pair, a venv each (.compat/), and the matrix
 
 PYTHON ?= python3
 VENV := .venv
@@ -15,7 +16,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: install test cifar10 gpt llama benchmark benchmark-pipeline benchmark-partition benchmark-lengths
+.PHONY: install test cifar10 gpt llama benchmark benchmark-pipeline benchmark-partition benchmark-lengths compat
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -53,3 +54,8 @@ benchmark-partition: $(STAMP)
 
 benchmark-lengths: $(STAMP)
 	$(PY) -m benchmarks.pipeline --lengths --model encoder --blocks 8 --pp 2 --budget 0.5 0.7 --timed-steps 20
+
+# Not in CI (CI keeps the pinned pair of `make test`): downloads each torch (CUDA builds, ~3.5 GB, run on the CPU).
+compat: $(STAMP)
+	$(PY) -m pip install -q uv
+	$(PY) .ci/compat.py
