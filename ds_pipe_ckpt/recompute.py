@@ -148,17 +148,31 @@ def _describe_saved(entry: tuple | None, device: bool = False) -> str:
     elif origin is False:
         what = "a tensor without autograd history (a constant, or computed without grad)"
     else:
-        what = f"the output of the op recorded as {origin.__name__}"
+        what = f"the output of the op recorded as {origin}"
     on = f" on {where}" if device else ""
     return f"{what}, {list(shape)} {str(dtype).removeprefix('torch.')}{on}"
 
 
 _FIELDS = 4  # per saved tensor in a record: origin, shape, dtype, device
 
+# Autograd nodes of one op under two names. ``reshape`` of a tensor it can alias
+# records ``_reshape_alias``, or ``view`` while a TorchDispatchMode is active
+# (ATen then takes its subclass-safe path): the same alias of the same values.
+# The planner's measuring step runs a recomputation under such a mode and not
+# its forward; a user's mode (a profiler, a FLOP counter) may do the same.
+_SAME_OP = {"ReshapeAliasBackward0": "ViewBackward0"}
+
 
 def _entries(record: list) -> list[tuple]:
-    """A flat record (origin, shape, dtype, device, origin, ...) as one tuple per saved tensor."""
-    return [tuple(record[i:i + _FIELDS]) for i in range(0, len(record), _FIELDS)]
+    """A flat record (origin, shape, dtype, device, origin, ...) as one tuple per
+    saved tensor, an autograd node's class as its name, one name per op (:data:`_SAME_OP`)."""
+    entries = []
+    for i in range(0, len(record), _FIELDS):
+        origin = record[i]
+        if isinstance(origin, type):
+            origin = _SAME_OP.get(origin.__name__, origin.__name__)
+        entries.append((origin, *record[i + 1:i + _FIELDS]))
+    return entries
 
 
 def _unpack(torch_unpack: Callable[[Any], torch.Tensor], region: Region, handle: Any) -> torch.Tensor:
@@ -290,6 +304,8 @@ class SavedTensorProbe:
         if recomputed == (forward if finished else forward[:len(recomputed)]):
             return
         forward, recomputed = _entries(forward), _entries(recomputed)
+        if recomputed == (forward if finished else forward[:len(recomputed)]):
+            return  # the same ops, one recorded under another name
         i = next((i for i, (a, b) in enumerate(zip(forward, recomputed)) if a != b),
                  min(len(forward), len(recomputed)))
         if i < len(recomputed) and i < len(forward):

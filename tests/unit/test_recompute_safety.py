@@ -249,3 +249,25 @@ def test_pipeline_next_layer_modifying_a_passed_through_tensor_is_named(single_r
     with pytest.raises(InPlaceInputError, match=r"input of checkpointed pipeline layer 1 \(PassThrough\) in "
                                                 r"micro-batch 1 was modified in place after its forward"):
         module(torch.randn(3, 4)).sum().backward()
+
+
+def test_a_reshape_recorded_as_a_view_under_a_dispatch_mode_is_not_a_divergence():
+    """``reshape`` records ``_reshape_alias``, or ``view`` under a TorchDispatchMode:
+    a backward (so the recomputation) under torch's FlopCounterMode, the forward
+    outside it, as the planner's measuring step does. torch's SDPA math path
+    (attention with dropout on a CPU) reshapes such a view and saves it."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.1, batch_first=True, norm_first=True)
+    x = torch.randn(2, 8, 16)
+    grads = []
+    for checkpointed in (False, True):
+        layer.zero_grad()
+        torch.manual_seed(1)  # the dropout masks
+        out = ds_pipe_ckpt.checkpoint(layer, x, use_reentrant=False) if checkpointed else layer(x)
+        with FlopCounterMode(display=False):
+            out.square().sum().backward()
+        grads.append([p.grad.clone() for p in layer.parameters()])
+    for plain, checkpointed in zip(*grads):
+        assert torch.equal(plain, checkpointed)
