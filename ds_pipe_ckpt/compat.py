@@ -19,6 +19,11 @@ torch
     planner refuses its keys (:func:`require_checkpoint_hooks`); importing
     ds_pipe_ckpt warns.
 
+    ``torch.cuda.get_arch_list()`` is empty without a visible GPU before 2.14,
+    so the CUDA ops' build reads the architectures from torch's own flags
+    (:func:`compiled_cuda_archs`). ``torch.distributed.all_gather_single`` is
+    2.14's name of ``all_gather_into_tensor`` (:func:`all_gather_single`).
+
 DeepSpeed
     * ``PipelineEngine._reentrant_activation_checkpointing`` (0.19): whether
       the engine makes the first stage's inputs require grad. Before 0.19 it
@@ -46,6 +51,7 @@ from typing import Any, Callable
 
 import deepspeed
 import torch
+import torch.distributed as dist
 import torch.utils.checkpoint as torch_checkpoint
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
@@ -56,6 +62,7 @@ __all__ = [
     "TORCH_RANGE", "DEEPSPEED_RANGE", "TORCH_VERSION", "DEEPSPEED_VERSION", "version_tuple",
     "CheckpointInternalHooks", "MARKS_CHECKPOINT_HOOKS", "CHECKPOINT_HOOKS_VISIBLE", "is_checkpoint_pack_hook",
     "push_hooks", "pop_hooks", "top_saved_tensors_hooks", "backward_keeps_graph", "STOP_RECOMPUTATION",
+    "compiled_cuda_archs", "ALL_GATHER_SINGLE", "all_gather_single",
     "engine_inputs_require_grad", "resolve_use_reentrant", "DEEPSPEED_REENTRANT_RUNS_ON_CPU",
     "require_deepspeed_reentrant", "require_checkpoint_hooks", "unsupported_versions",
 ]
@@ -186,6 +193,31 @@ def backward_keeps_graph() -> bool | None:
     if query is None or task is None or task() == -1:
         return None
     return bool(query())
+
+
+def compiled_cuda_archs() -> list[str]:
+    """The CUDA architectures this torch was built for (``"sm_90"``, ...), with or
+    without a visible GPU: what the CUDA ops are compiled for when nothing else
+    says. ``torch.cuda.get_arch_list()`` returns them only with a GPU before
+    torch 2.14 (empty on a build machine); torch's own flags hold them throughout.
+    Empty for a CPU-only torch."""
+    archs = torch.cuda.get_arch_list()
+    if archs or torch.version.cuda is None:
+        return archs
+    flags = getattr(torch._C, "_cuda_getArchFlags", None)
+    return (flags() or "").split() if flags is not None else []
+
+
+# torch.distributed's gather of equal shards into one tensor: ``all_gather_single``
+# from 2.14 (``all_gather_into_tensor`` became an alias that warns on every call),
+# ``all_gather_into_tensor`` before.
+ALL_GATHER_SINGLE = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+
+
+def all_gather_single(output: torch.Tensor, shard: torch.Tensor, group: Any = None) -> Any:
+    """Each rank's ``shard`` of ``group`` into ``output``, in rank order
+    (:data:`ALL_GATHER_SINGLE`, looked up on each call)."""
+    return getattr(dist, ALL_GATHER_SINGLE)(output, shard, group=group)
 
 
 # -- DeepSpeed ------------------------------------------------------------------------

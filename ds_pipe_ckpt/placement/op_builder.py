@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from ..compat import compiled_cuda_archs
+
 logger = logging.getLogger("ds_pipe_ckpt")
 
 __all__ = ["BuildError", "LIBRARY_NAME", "SOURCES", "build", "build_key", "cached_library",
@@ -93,7 +95,7 @@ def _arch_flags() -> list[str]:
         caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
         archs = [(f"{major}{minor}", False) for major, minor in caps]
     else:
-        archs = [(a[3:], False) for a in torch.cuda.get_arch_list() if a.startswith("sm_")]
+        archs = [(a[3:], False) for a in compiled_cuda_archs() if a.startswith("sm_")]
     if not archs:
         raise BuildError("no CUDA architecture to build for: set TORCH_CUDA_ARCH_LIST (e.g. \"9.0\")")
     if not any(ptx for _, ptx in archs):

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
+from ..compat import all_gather_single
 from ..config import CheckpointingConfig
 from .pool import BufferPool
 from ..errors import ConfigError
@@ -72,9 +73,7 @@ class CheckpointRuntime:
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> None:
         """The one collective of a partitioned segment's recomputation."""
-        # torch 2.14 renamed all_gather_into_tensor (now an alias that warns on every call).
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(output, shard, group=self.group)
+        all_gather_single(output, shard, group=self.group)
 
     def reset(self) -> None:
         if self.pool is not None:

@@ -140,3 +140,19 @@ def test_without_recognisable_checkpoint_hooks_the_planner_is_refused_and_import
         profile_layer_specs([nn.Linear(2, 2)], torch.randn(1, 2))
     with pytest.warns(UserWarning, match=r"checkpoint hooks are not recognised: the recompute check falls back"):
         ds_pipe_ckpt._warn_outside_the_tested_range()
+
+
+def test_the_cuda_ops_find_torchs_architectures_without_a_gpu(monkeypatch):
+    """torch before 2.14 lists its architectures only with a visible GPU; the
+    ops' build still needs them on a build machine."""
+    if torch.version.cuda is None:
+        assert compat.compiled_cuda_archs() == []
+        return
+    expected = torch._C._cuda_getArchFlags().split()
+    assert expected and all(arch.startswith(("sm_", "compute_")) for arch in expected)
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: [])  # as torch 2.11 to 2.13 answer without a GPU
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    assert compat.compiled_cuda_archs() == expected
+    from ds_pipe_ckpt.placement import op_builder
+    flags = op_builder._arch_flags()
+    assert f"-gencode=arch=compute_{expected[-1][3:]},code=sm_{expected[-1][3:]}" in flags

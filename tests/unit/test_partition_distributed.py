@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import ds_pipe_ckpt
+from ds_pipe_ckpt.compat import ALL_GATHER_SINGLE
 from ds_pipe_ckpt.testing import run_ranks
 
 # ---------------------------------------------------------------------------------
@@ -26,7 +27,9 @@ from ds_pipe_ckpt.testing import run_ranks
 class CollectiveCounter:
     """Counts the collectives this process issues, by name."""
 
-    NAMES = ("all_gather_single", "all_gather_into_tensor", "all_gather", "broadcast", "all_reduce", "reduce_scatter_tensor")
+    # This torch's (ds_pipe_ckpt.compat): all_gather_single from 2.14, all_gather_into_tensor before.
+    NAMES = tuple(name for name in ("all_gather_single", "all_gather_into_tensor", "all_gather", "broadcast",
+                                    "all_reduce", "reduce_scatter_tensor") if hasattr(dist, name))
 
     def __init__(self):
         self.counts = dict.fromkeys(self.NAMES, 0)
@@ -285,7 +288,7 @@ def pipeline_rank_job(counter=None, steps=3):
         results[name] = {
             "losses": losses,
             "params": {n: p.detach().clone() for n, p in module.named_parameters()},
-            "gathers": counter.take()["all_gather_single"],
+            "gathers": counter.take()[ALL_GATHER_SINGLE],
             "stage": module.stage_id,
             "segments": sum(module.is_checkpointable_results),
             "micro_batches": 2 * steps,
@@ -344,7 +347,7 @@ def test_one_collective_per_checkpointed_segment(partition_runs, option):
     for rank, result in enumerate(results):
         for case in CASES:
             counts = result[(case, option)]["collectives"]
-            assert counts["all_gather_single"] == expected, (rank, case, counts)
+            assert counts[ALL_GATHER_SINGLE] == expected, (rank, case, counts)
             assert sum(counts.values()) == expected, (rank, case, counts)
 
 
@@ -355,7 +358,7 @@ def test_chain_of_checkpoints(partition_runs, option):
         ref, got = result[("chain", "reference")], result[("chain", option)]
         _assert_same(ref["grads"], got["grads"], f"rank {rank} chain/{option} gradient")
         # 3 segments x 2 micro-batches x 2 steps, one gather each when partitioned.
-        assert got["collectives"]["all_gather_single"] == (12 if "partition" in option else 0)
+        assert got["collectives"][ALL_GATHER_SINGLE] == (12 if "partition" in option else 0)
         # The segments' inputs are held by nothing else: their memory is released.
         assert got["released"] == [3, 3, 3, 3]
         assert ref["released"] == [0, 0, 0, 0]  # torch alone keeps them
