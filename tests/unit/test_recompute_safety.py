@@ -10,6 +10,7 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_check
 
 import ds_pipe_ckpt
 from ds_pipe_ckpt import InPlaceInputError, RecomputeMismatchError
+from ds_pipe_ckpt.compat import TORCH_VERSION
 
 
 class LazyCache(nn.Module):
@@ -126,6 +127,9 @@ def test_verify_recompute_from_config():
         out.sum().backward()
 
 
+@pytest.mark.skipif(TORCH_VERSION[:2] < (2, 14), reason=(
+    "torch before 2.14: its debug mode logs op records that pytest's log handler cannot format (TypeError), "
+    "torch's own checkpoint(debug=True) as well"))
 def test_debug_mode_adds_torch_op_traces():
     ds_pipe_ckpt.configure(use_reentrant=False, debug=True)
     out = ds_pipe_ckpt.checkpoint(SwapsOp(), torch.randn(2, 4, requires_grad=True))
