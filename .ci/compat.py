@@ -188,7 +188,13 @@ def run_pair(result: Result, pytest_args: list[str], build_only: bool = False) -
             command = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
                        *SUBSET, *(f"--deselect={d}" for d in DESELECT if "::" in d),
                        *(f"--ignore={d}" for d in DESELECT if "::" not in d), *pytest_args]
-            code = _run(command, log, env=dict(os.environ, DS_ACCELERATOR="cpu"), timeout=PAIR_TIMEOUT_S)
+            # DeepSpeed JIT-builds its CPU communication op on first use; a build
+            # directory shared across torch versions deadlocks: torch 2.14 leaves
+            # its (fcntl) lock file behind, which torch 2.11's FileBaton takes for a
+            # build in progress and waits on forever. One directory per pair.
+            env = dict(os.environ, DS_ACCELERATOR="cpu",
+                       TORCH_EXTENSIONS_DIR=str(WORK / "torch_extensions" / result.name))
+            code = _run(command, log, env=env, timeout=PAIR_TIMEOUT_S)
             if report.exists():
                 read_report(result, report)
             if code not in (0, 1) or not report.exists():
