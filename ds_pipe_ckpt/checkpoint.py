@@ -108,8 +108,8 @@ def checkpoint_region(function: Callable[..., Any], args: tuple, kwargs: dict, r
             settings.warn_once("reentrant-fallback", _FALLBACK_WARNING.format(name=region.name),
                                ReentrantFallbackWarning)
             return checkpoint_non_reentrant(function, flat, kwarg_names, region, options.learning(), settings)
-        require_deepspeed_reentrant()  # on the region's first call, not on its first through DeepSpeed
         if not region.facts.learned:
+            require_deepspeed_reentrant()  # on the region's first call, not on its first through DeepSpeed
             return checkpoint_non_reentrant(function, flat, kwarg_names, region, options.learning(), settings)
         if region.facts.mutates_inputs:
             settings.warn_once(f"reentrant-in-place:{region.name}", _IN_PLACE_WARNING.format(name=region.name),

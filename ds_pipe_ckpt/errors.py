@@ -6,7 +6,8 @@ and says how to fix it.
 
 from torch.utils.checkpoint import CheckpointError
 
-__all__ = ["ConfigError", "RecomputeMismatchError", "InPlaceInputError", "ReentrantFallbackWarning", "UpstreamLimitError"]
+__all__ = ["ConfigError", "RecomputeMismatchError", "InPlaceInputError", "ReentrantFallbackWarning",
+           "UpstreamLimitError"]
 
 
 class ConfigError(ValueError, AssertionError):
