@@ -3,18 +3,24 @@ configuration from the same JSON config."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import deepspeed
 import torch
+import torch.distributed as dist
 from deepspeed.pipe import PipelineModule as _DSPipelineModule
+from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from .compat import resolve_use_reentrant
+from . import clipping
+from .compat import correct_gradient_accumulation, resolve_use_reentrant
 from .config import CheckpointingConfig, load_ds_config, pipeline_interval
 from .errors import ConfigError
 from .settings import configure
 
 __all__ = ["initialize"]
+
+logger = logging.getLogger("ds_pipe_ckpt")
 
 
 def _resolve_config(args: Any, config: Any, config_params: Any) -> dict:
@@ -45,6 +51,13 @@ def initialize(args: Any = None,
     validates and applies the config's activation-checkpointing settings, with
     the pipeline grid of a :class:`PipelineModule` as model-parallel unit.
 
+    A pipeline engine gets the gradients of the same layers without a
+    pipeline, on every DeepSpeed in the supported range: divided by
+    ``gradient_accumulation_steps`` once, as DeepSpeed 0.19 does
+    (:func:`ds_pipe_ckpt.compat.correct_gradient_accumulation`), and, with
+    ``gradient_clipping`` on the fp32 path, clipped by the norm over every
+    stage (:mod:`ds_pipe_ckpt.clipping`).
+
     With ``activation_checkpointing.memory_budget_mb`` (or ``max_memory_mb``) and a
     :class:`~ds_pipe_ckpt.PipelineModule`, the module's planner is enabled
     (``PipelineModule.enable_planning``) with the engine's micro-batches per step.
@@ -52,7 +65,9 @@ def initialize(args: Any = None,
     Raises:
         ConfigError: before anything is built, for an invalid
             ``pipeline.use_reentrant``, ``pipeline.activation_checkpoint_interval``
-            or ``activation_checkpointing`` value.
+            or ``activation_checkpointing`` value; after the engine is built, on
+            every rank, for a ``gradient_accumulation_steps`` this DeepSpeed
+            scales in a way that cannot be corrected.
     """
     param_dict = _resolve_config(args, config, config_params)
     # Validate before any process group or engine is built, so that a bad value
@@ -61,6 +76,9 @@ def initialize(args: Any = None,
     if checkpointing.plans:
         _check_plannable(model, param_dict, checkpointing.budget_key)
     _check_partition(model, param_dict)
+    if isinstance(model, _DSPipelineModule):
+        from .pipe import ENGINE_CORRECTED
+        model.__dict__[ENGINE_CORRECTED] = True  # before the engine first trains it
     result = deepspeed.initialize(args=args,
                                   model=model,
                                   optimizer=optimizer,
@@ -74,6 +92,8 @@ def initialize(args: Any = None,
                                   config=config,
                                   mesh_param=mesh_param,
                                   config_params=config_params)
+    if isinstance(result[0], PipelineEngine):
+        _correct_pipeline_engine(result[0])
     if isinstance(model, _DSPipelineModule):
         resolve_use_reentrant(model, param_dict)
         if mpu is None:
@@ -88,6 +108,36 @@ def initialize(args: Any = None,
                               sequence_dim=settings.config.sequence_dim,
                               length_buckets=settings.config.length_buckets)
     return result
+
+
+def _correct_pipeline_engine(engine: PipelineEngine) -> None:
+    """The engine's gradient accumulation scale and fp32 clipping norm made the
+    model's without a pipeline; an engine that cannot be corrected stops every rank."""
+    error = note = None
+    try:
+        note = correct_gradient_accumulation(engine)
+    except ConfigError as raised:
+        error = raised
+    _raise_on_every_rank(error)
+    clipping.install(engine)
+    if note is not None and engine.grid.get_data_parallel_rank() == 0 and engine.grid.get_slice_parallel_rank() == 0:
+        logger.warning("ds_pipe_ckpt: %s.", note)
+
+
+def _raise_on_every_rank(error: ConfigError | None) -> None:
+    """Raise ``error`` here and the lowest rank's on every other rank, so that
+    no rank goes on into a step whose peers stopped."""
+    errors = [error]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, None if error is None else (error.key, error.value, error.allowed, error.hint))
+        errors = [None if e is None else ConfigError(*e) for e in errors]
+    if error is not None:
+        raise error
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise ConfigError(first.key, first.value, first.allowed, f"{first.hint} (Raised by another rank; every rank "
+                          "stops here.)")
 
 
 def _known_buffers(engine: Any) -> tuple:

@@ -3,6 +3,7 @@ checkpointing on torch's non-reentrant checkpoint."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -13,6 +14,7 @@ from deepspeed.runtime import utils as ds_utils
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
 from .checkpoint import checkpoint_region
+from . import compat
 from .compat import require_checkpoint_hooks
 from .config import LENGTH_BUCKETS, validate_interval
 from .errors import ConfigError
@@ -24,6 +26,10 @@ __all__ = ["PipelineModule", "LayerSpec", "TiedLayerSpec", "REENTRANT", "NON_REE
 REENTRANT = "reentrant"
 NON_REENTRANT = "non_reentrant"
 CUSTOM = "custom"
+
+# Set by ds_pipe_ckpt.initialize on the module whose engine it corrects (gradient
+# accumulation scale, clipping norm); a module trained without it warns once.
+ENGINE_CORRECTED = "_engine_corrected_by_ds_pipe_ckpt"
 
 
 class LayerSpec(_DSLayerSpec):
@@ -384,10 +390,26 @@ class PipelineModule(_DSPipelineModule):
         a memory budget, that is where this stage's training step begins, for the
         planner's check of its peak memory."""
         super().train(mode)
+        if mode:
+            self._warn_if_engine_uncorrected()
         planner = self.__dict__.get("_planner")
         if mode and planner is not None:
             planner.training_step_may_begin()
         return self
+
+    def _warn_if_engine_uncorrected(self) -> None:
+        """Once: on a DeepSpeed that scales gradient accumulation wrongly, an engine
+        built by ``deepspeed.initialize`` (not ``ds_pipe_ckpt.initialize``, which
+        corrects it) trains with gradients off by a power of the accumulation steps."""
+        if self.__dict__.get(ENGINE_CORRECTED) or self.__dict__.get("_warned_uncorrected"):
+            return
+        self.__dict__["_warned_uncorrected"] = True
+        if compat.engine_scales_accumulation_wrongly():
+            warnings.warn(f"ds_pipe_ckpt: DeepSpeed {compat.deepspeed.__version__}'s pipeline engine does not divide "
+                          "the gradients by gradient_accumulation_steps once on the last stage "
+                          f"({compat.GRADIENT_ACCUMULATION_FIX}), so with more than one micro-batch per step they "
+                          "differ from the model's without a pipeline. Build the engine with ds_pipe_ckpt.initialize "
+                          "(same arguments as deepspeed.initialize), which corrects it.", UserWarning, stacklevel=3)
 
     def forward(self, forward_input: Any) -> Any:
         self.micro_offset += 1
