@@ -44,16 +44,26 @@ def tied_layers():
             TiedLayerSpec("embed", Embedding, forward_fn=head)]
 
 
-MODELS = {"mlp": mlp_layers, "tied": tied_layers}
+def wide_layers():
+    """Wide enough that a stage's activations outweigh what a budget cannot
+    control, so that a planner under a budget stores some layers and checkpoints others."""
+    width = 256
+    layers = [LayerSpec(nn.Linear, 8, width)]
+    for _ in range(5):
+        layers += [LayerSpec(nn.Tanh), LayerSpec(nn.Linear, width, width)]
+    return layers + [LayerSpec(nn.Linear, width, CLASSES)]
 
 
-def micro_batches(count, micro_batch=2):
+MODELS = {"mlp": mlp_layers, "tied": tied_layers, "wide": wide_layers}
+
+
+def micro_batches(count, micro_batch):
     g = torch.Generator().manual_seed(7)
     xs = torch.randn(count, micro_batch, 8, generator=g)
     return [(x, x[..., :CLASSES].argmax(dim=-1)) for x in xs]
 
 
-def config(grad_accum, dp, micro_batch=2, use_reentrant=None, clip=None, zero=None, bf16=False,
+def config(grad_accum, dp, micro_batch, use_reentrant=None, clip=None, zero=None, bf16=False,
            activation_checkpointing=None):
     cfg = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": grad_accum,
            "train_batch_size": micro_batch * grad_accum * dp, "steps_per_print": 10**9, "pipeline": {}}
@@ -64,7 +74,11 @@ def config(grad_accum, dp, micro_batch=2, use_reentrant=None, clip=None, zero=No
     if zero is not None:
         cfg["zero_optimization"] = {"stage": zero}
     if bf16:
+        # Accumulate in float32 with float32 master weights (DeepSpeed's BF16_Optimizer):
+        # 0.19's default; before 0.18 the default accumulates in bf16 and updates bf16
+        # weights in place, which rounds updates by up to 10% here (scale still right).
         cfg["bf16"] = {"enabled": True}
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     if activation_checkpointing is not None:
         cfg["activation_checkpointing"] = activation_checkpointing
     return cfg
@@ -76,21 +90,20 @@ LOSSES = {"mean": nn.CrossEntropyLoss(), "sum": nn.CrossEntropyLoss(reduction="s
 def parity(case, pp):
     """One case's ParityReport. ``case`` keys: ``ga``, ``model`` (MODELS), ``loss``
     (LOSSES), ``interval``, ``use_reentrant``, ``checkpointable_layers``, ``clip``,
-    ``zero``, ``bf16``, ``budget_mb``, ``steps``, ``init`` ("ours" or "deepspeed")."""
+    ``zero``, ``bf16``, ``activation_checkpointing`` (the JSON section), ``steps``,
+    ``init`` ("ours" or "deepspeed")."""
     ds_pipe_ckpt.configure()
     dp = torch.distributed.get_world_size() // pp
     ga, steps = case.get("ga", 4), case.get("steps", 1)
-    checkpointing = None
-    if case.get("budget_mb") is not None:
-        checkpointing = {"memory_budget_mb": case["budget_mb"]}
-    cfg = config(ga, dp, use_reentrant=case.get("use_reentrant"), clip=case.get("clip"), zero=case.get("zero"),
-                 bf16=case.get("bf16", False), activation_checkpointing=checkpointing)
+    micro_batch = case.get("micro_batch", 2)
+    cfg = config(ga, dp, micro_batch, use_reentrant=case.get("use_reentrant"), clip=case.get("clip"), zero=case.get("zero"),
+                 bf16=case.get("bf16", False), activation_checkpointing=case.get("activation_checkpointing"))
     kwargs = {}
     if case.get("checkpointable_layers") is not None:
         kwargs["checkpointable_layers"] = case["checkpointable_layers"]
     init = deepspeed.initialize if case.get("init") == "deepspeed" else None
     return check_gradient_parity(MODELS[case.get("model", "mlp")](), LOSSES[case.get("loss", "mean")],
-                                 micro_batches(steps * ga * dp), cfg, num_stages=pp, steps=steps,
+                                 micro_batches(steps * ga * dp, micro_batch), cfg, num_stages=pp, steps=steps,
                                  activation_checkpoint_interval=case.get("interval", 0), initialize=init, **kwargs)
 
 
@@ -108,7 +121,7 @@ def probe_scales(pp, ga):
     module = ds_pipe_ckpt.PipelineModule(layers=layers, num_stages=pp, loss_fn=nn.CrossEntropyLoss(),
                                          partition_method="uniform")
     optimizer = torch.optim.SGD(module.parameters(), lr=1.0)
-    cfg = config(ga, torch.distributed.get_world_size() // pp)
+    cfg = config(ga, torch.distributed.get_world_size() // pp, 2)
     plain_engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=cfg)
     before = pipeline_gradient_scale(plain_engine)
     module = ds_pipe_ckpt.PipelineModule(layers=layers, num_stages=pp, loss_fn=nn.CrossEntropyLoss(),
