@@ -9,9 +9,11 @@ For each pair it builds a virtual environment under ``.compat/`` with uv
 costs seconds, not another 5 GB copy), installs that torch, that DeepSpeed
 (without its compiled ops: ``DS_BUILD_OPS=0``, as on a CPU), the test tools and
 this checkout (editable, ``--no-deps``: the pair's own versions stay), runs the
-subset below on the CPU (``DS_ACCELERATOR=cpu``, gloo) and prints the matrix:
-one row per pair with passed / failed / errors / skipped, each skip reason
-once, and the wall time. ``.compat/matrix.md`` and ``.compat/matrix.json``
+subset below on the CPU (``DS_ACCELERATOR=cpu``, gloo), then the gradient-parity
+check (``python -m ds_pipe_ckpt.parity_cli --pp 2 4 --ga 4``: each stage's update
+against the same layers without a pipeline, every mode the pair runs), and
+prints the matrix: one row per pair with passed / failed / errors / skipped,
+the largest parity difference, each skip reason once, and the wall time. ``.compat/matrix.md`` and ``.compat/matrix.json``
 keep it; each pair's log is ``.compat/<pair>.log``.
 
 torch's wheels on PyPI are CUDA builds (about 3.5 GB with their CUDA
@@ -71,6 +73,11 @@ DESELECT = [
 TEST_TOOLS = ["numpy", "pytest>=8", "pytest-timeout", "hypothesis>=6", "transformers>=5,<6", "peft",
               "setuptools", "wheel"]
 PAIR_TIMEOUT_S = 15 * 60
+# The gradient-parity column (python -m ds_pipe_ckpt.parity_cli): the largest
+# relative difference of any stage's update from the same layers without a
+# pipeline; a pair above ds_pipe_ckpt.parity's tolerance fails.
+PARITY_GA = 4
+PARITY_TIMEOUT_S = 10 * 60
 
 
 @dataclasses.dataclass
@@ -84,6 +91,10 @@ class Result:
     skipped: int = 0
     seconds: float = 0.0
     problem: str = ""            # an install or run failure that left no test report
+    # python -m ds_pipe_ckpt.parity_cli: the largest relative difference of any stage
+    # from the same layers without a pipeline, per "pp=P mode", and whether all are within tolerance
+    parity: dict = dataclasses.field(default_factory=dict)
+    parity_ok: bool = False
     failures: list[str] = dataclasses.field(default_factory=list)
     skip_reasons: list[str] = dataclasses.field(default_factory=list)
 
@@ -93,7 +104,7 @@ class Result:
 
     @property
     def ok(self) -> bool:
-        return not self.problem and not self.failed and not self.errors and self.passed > 0
+        return not self.problem and not self.failed and not self.errors and self.passed > 0 and self.parity_ok
 
 
 def _run(command: list[str], log, env: dict | None = None, timeout: float | None = None) -> int:
@@ -199,17 +210,40 @@ def run_pair(result: Result, pytest_args: list[str], build_only: bool = False) -
                 read_report(result, report)
             if code not in (0, 1) or not report.exists():
                 result.problem = result.problem or f"pytest exited with {code} (see {log_path.name})"
+            run_parity(result, python, env, log)
     result.seconds = time.perf_counter() - started
     return result
 
 
+def run_parity(result: Result, python: str, env: dict, log) -> None:
+    """The gradient-parity column: pp 2 and 4 at GA 4, every mode the pair runs on a CPU."""
+    out = WORK / f"{result.name}.parity.json"
+    out.unlink(missing_ok=True)
+    code = _run([python, "-m", "ds_pipe_ckpt.parity_cli", "--pp", "2", "4", "--ga", str(PARITY_GA),
+                 "--json", str(out)], log, env=env, timeout=PARITY_TIMEOUT_S)
+    if not out.exists():
+        result.problem = result.problem or f"parity check exited with {code}, no result (see {log.name})"
+        return
+    for row in json.loads(out.read_text())["results"]:
+        result.parity[f"pp={row['pp']} {row['mode']}"] = max(row["stages"])
+    result.parity_ok = code == 0
+
+
+def _parity_cell(result: Result) -> str:
+    if not result.parity:
+        return "-"
+    worst = max(result.parity.values())
+    return f"{worst:.2g} ({len(result.parity)} runs{'' if result.parity_ok else ', ABOVE tolerance'})"
+
+
 def matrix(results: list[Result]) -> str:
-    lines = ["| DeepSpeed | torch | installed | passed | failed | errors | skipped | minutes | result |",
-             "|---|---|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| DeepSpeed | torch | installed | passed | failed | errors | skipped | "
+             f"gradient parity (GA {PARITY_GA}, pp 2 and 4) | minutes | result |",
+             "|---|---|---|---:|---:|---:|---:|---|---:|---|"]
     for r in results:
         verdict = "pass" if r.ok else (r.problem or "FAIL")
         lines.append(f"| {r.deepspeed} | {r.torch} | {r.installed} | {r.passed} | {r.failed} | {r.errors} | "
-                     f"{r.skipped} | {r.seconds / 60:.1f} | {verdict} |")
+                     f"{r.skipped} | {_parity_cell(r)} | {r.seconds / 60:.1f} | {verdict} |")
     details = []
     for r in results:
         if r.failures or r.skip_reasons:
