@@ -363,6 +363,11 @@ def main(argv: list[str] | None = None) -> None:
                 "label_smoothing": args.label_smoothing}
         paths = write_outputs(Path(args.out_dir), runs, meta)
         print(f"cifar10: wrote {paths['csv']}, {paths['png']} and {paths['summary']}", flush=True)
+        if data.generated:
+            print("cifar10: the data are generated (a fixed pattern per class plus noise), not CIFAR-10: a test "
+                  "accuracy near 100% shows that training learns and that the runs agree, not skill on CIFAR-10; "
+                  "for the real images set CIFAR10_DATASET_PATH (or --data-dir) to a torchvision CIFAR-10 root "
+                  "(the folder holding cifar-10-batches-py/)", flush=True)
     dist.barrier()
 
 
