@@ -67,7 +67,13 @@ def clip_pipeline_gradients(engine: Any) -> torch.Tensor:
     return norm
 
 
-def install(engine: Any) -> None:
+def install(engine: Any) -> bool:
     """Make ``engine``'s fp32 clipping (``clip_fp32_gradients``, which DeepSpeed's
-    ``_take_model_step`` calls only on that path) use the whole model's norm."""
+    ``_take_model_step`` calls only on that path) use the whole model's norm.
+    Not for a model with mixture-of-experts layers, whose expert gradients
+    differ between data-parallel replicas (upstream averages its norm over
+    them): returns False and leaves the engine as it is there."""
+    if getattr(engine, "has_moe_layers", False):
+        return False
     engine.clip_fp32_gradients = functools.partial(clip_pipeline_gradients, engine)
+    return True

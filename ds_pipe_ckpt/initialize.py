@@ -119,25 +119,29 @@ def _correct_pipeline_engine(engine: PipelineEngine) -> None:
     except ConfigError as raised:
         error = raised
     _raise_on_every_rank(error)
-    clipping.install(engine)
+    if not clipping.install(engine) and engine.gradient_clipping() > 0:
+        logger.warning("ds_pipe_ckpt: the model has mixture-of-experts layers; DeepSpeed's fp32 gradient clipping "
+                       "is left as it is, and on a pipeline it measures stage 0's gradients only (see "
+                       "ds_pipe_ckpt.clipping). bf16 or ZeRO stage 1 clip by the whole model's norm.")
     if note is not None and engine.grid.get_data_parallel_rank() == 0 and engine.grid.get_slice_parallel_rank() == 0:
         logger.warning("ds_pipe_ckpt: %s.", note)
 
 
 def _raise_on_every_rank(error: ConfigError | None) -> None:
-    """Raise ``error`` here and the lowest rank's on every other rank, so that
-    no rank goes on into a step whose peers stopped."""
-    errors = [error]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, None if error is None else (error.key, error.value, error.allowed, error.hint))
-        errors = [None if e is None else ConfigError(*e) for e in errors]
+    """Raise ``error`` here and the lowest failing rank's on every other rank,
+    so that no rank goes on into a step whose peers stopped."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        if error is not None:
+            raise error
+        return
+    shared: list = [None] * dist.get_world_size()
+    dist.all_gather_object(shared, None if error is None else (error.key, error.value, error.allowed, error.hint))
     if error is not None:
         raise error
-    first = next((e for e in errors if e is not None), None)
+    first = next((fields for fields in shared if fields is not None), None)
     if first is not None:
-        raise ConfigError(first.key, first.value, first.allowed, f"{first.hint} (Raised by another rank; every rank "
-                          "stops here.)")
+        key, value, allowed, hint = first
+        raise ConfigError(key, value, allowed, f"{hint} (Raised by another rank; every rank stops here.)")
 
 
 def _known_buffers(engine: Any) -> tuple:

@@ -74,11 +74,7 @@ def config(grad_accum, dp, micro_batch, use_reentrant=None, clip=None, zero=None
     if zero is not None:
         cfg["zero_optimization"] = {"stage": zero}
     if bf16:
-        # Accumulate in float32 with float32 master weights (DeepSpeed's BF16_Optimizer):
-        # 0.19's default; before 0.18 the default accumulates in bf16 and updates bf16
-        # weights in place, which rounds updates by up to 10% here (scale still right).
         cfg["bf16"] = {"enabled": True}
-        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     if activation_checkpointing is not None:
         cfg["activation_checkpointing"] = activation_checkpointing
     return cfg
