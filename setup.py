@@ -26,7 +26,7 @@ def ops_extension():
 
 setup(
     name="ds_pipe_ckpt",
-    version="0.1.0",
+    version="0.2.0",
     description="Activation checkpointing for DeepSpeed pipeline-parallel training, "
     "built on torch's non-reentrant checkpoint",
     long_description=open("README.md", encoding="utf-8").read(),

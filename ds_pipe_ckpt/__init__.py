@@ -43,7 +43,7 @@ __all__ = [
     "UpstreamLimitError",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def _warn_outside_the_tested_range() -> None:
