@@ -15,7 +15,9 @@ directory:
   only**.
 
 Every ```json block that is JSON (a block with ``...`` in it abbreviates a
-config and is skipped) must also be accepted by ds_pipe_ckpt's parsers.
+config and is skipped) must also be accepted by ds_pipe_ckpt's parsers, and
+every relative link in README.md, CHANGELOG.md and docs/*.md must name a file
+that exists and, with ``#anchor``, a heading of it (GitHub's anchors).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ds_pipe_ckpt.planning.planned_partition import partition_from_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINKED_PAGES = [*PAGES, ROOT / "CHANGELOG.md"]
 LAUNCHED = {"initialize", "check_gradient_parity", "init_distributed"}
 
 
@@ -126,3 +129,41 @@ def test_json_block(where, source):
     config = json.loads(source)
     CheckpointingConfig.from_ds_config(config)
     partition_from_config(config)
+
+
+def without_code(text: str) -> str:
+    return re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped,
+    spaces as hyphens, a repeated heading numbered."""
+    found: set[str] = set()
+    for heading in re.findall(r"^#{1,6} +(.+?) *#*$", without_code(page.read_text()), flags=re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        candidate, n = slug, 0
+        while candidate in found:
+            n += 1
+            candidate = f"{slug}-{n}"
+        found.add(candidate)
+    return found
+
+
+def links() -> list[tuple[str, str]]:
+    found = []
+    for page in LINKED_PAGES:
+        if not page.exists():
+            continue
+        for target in re.findall(r"\]\(([^)\s]+)\)", without_code(page.read_text())):
+            if not re.match(r"[a-z]+:", target):  # not http:, https:, mailto:
+                found.append((str(page.relative_to(ROOT)), target))
+    return found
+
+
+@pytest.mark.parametrize("page, target", links())
+def test_relative_link_resolves(page, target):
+    path, _, anchor = target.partition("#")
+    file = (ROOT / page).parent / path if path else ROOT / page
+    assert file.exists(), f"{page} links to {target}: no such file"
+    if anchor and file.suffix == ".md":
+        assert anchor in anchors(file), f"{page} links to {target}: no such heading in {file.name}"
