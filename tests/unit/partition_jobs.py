@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import deepspeed
 import torch
 import torch.nn as nn
 
@@ -44,8 +43,9 @@ def train_with_partition(method, budget_mb, profile_path, steps=3, from_config=F
     module = PipelineModule(layers=layer_specs(), num_stages=2, loss_fn=nn.CrossEntropyLoss(), seed_layers=True,
                             partition_method=method, partition_planning=planning)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.05)
-    initialize = ds_pipe_ckpt.initialize if from_config else deepspeed.initialize
-    engine, _, _, _ = initialize(model=module, optimizer=optimizer, config=config)
+    # One engine for every cut, so that losses compare bit for bit on every DeepSpeed
+    # (upstream's own scales gradient accumulation differently before 0.19).
+    engine, _, _, _ = ds_pipe_ckpt.initialize(model=module, optimizer=optimizer, config=config)
     generator = torch.Generator().manual_seed(5)
     xs = torch.randn(steps * GRAD_ACCUM, MICRO_BATCH, 8, generator=generator)
     data = iter([(x, x[:, :4].argmax(dim=-1)) for x in xs])
