@@ -8,6 +8,12 @@ Drop-in imports::
     engine, *_ = ds_pipe_ckpt.initialize(model=..., config=...)        # for deepspeed.initialize
 
 The mode is the DeepSpeed JSON flag ``"pipeline": {"use_reentrant": false}``.
+
+Importing the package wraps ``deepspeed.checkpointing.configure``, ``reset``
+and ``checkpoint`` (DeepSpeed's functions still run, first and unchanged): a
+training stack's own configure call is then in force for ds_pipe_ckpt too,
+and its own checkpoint calls can be routed here with
+:func:`route_deepspeed_checkpoint` (see :mod:`ds_pipe_ckpt.upstream_checkpointing`).
 """
 
 import warnings as _warnings
@@ -20,7 +26,8 @@ from .initialize import initialize
 from .placement.runtime import profile_records, reset
 from .pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from .planning.planned_partition import PartitionPlanning, partition_from_config
-from .settings import CheckpointingSettings, configure, current_settings
+from .settings import CheckpointingSettings, configure, current_settings, route_deepspeed_checkpoint
+from . import upstream_checkpointing as _upstream_checkpointing
 
 __all__ = [
     "PipelineModule",
@@ -31,6 +38,7 @@ __all__ = [
     "checkpoint",
     "configure",
     "current_settings",
+    "route_deepspeed_checkpoint",
     "initialize",
     "reset",
     "profile_records",
@@ -58,3 +66,4 @@ def _warn_outside_the_tested_range() -> None:
 
 
 _warn_outside_the_tested_range()
+_upstream_checkpointing.install()

@@ -39,11 +39,12 @@ from .options import CheckpointOptions
 from .placement.runtime import placement_for
 from .reentrant import reentrant_checkpoint
 from .region_call import RegionCall
-from .regions import Region
+from .regions import Region, describe_callable
 from .settings import CheckpointingSettings, current_settings
 from .errors import ReentrantFallbackWarning
+from .upstream_checkpointing import ORIGINAL_CHECKPOINT
 
-__all__ = ["checkpoint", "checkpoint_region", "checkpoint_non_reentrant"]
+__all__ = ["checkpoint", "checkpoint_region", "checkpoint_non_reentrant", "deepspeed_checkpoint_call"]
 
 _FALLBACK_WARNING = (
     "ds_pipe_ckpt.checkpoint: reentrant checkpointing of {name} was called with no tensor "
@@ -181,3 +182,22 @@ def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool | N
     if not options.use_reentrant and not kwargs:  # what checkpoint_region would do, one call sooner
         return checkpoint_non_reentrant(function, args, (), region, options, settings)
     return checkpoint_region(function, args, kwargs, region, options, settings=settings)
+
+
+def deepspeed_checkpoint_call(function: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """A call of ``deepspeed.checkpointing.checkpoint(function, *args, **kwargs)``
+    (ds_pipe_ckpt wraps it, see :mod:`ds_pipe_ckpt.upstream_checkpointing`): after
+    :func:`ds_pipe_ckpt.route_deepspeed_checkpoint`, ds_pipe_ckpt's checkpoint
+    under the settings in force, ``kwargs`` going to ``function`` as DeepSpeed
+    passes them; otherwise DeepSpeed's reentrant checkpoint, unchanged."""
+    settings = current_settings()
+    if settings.routes_deepspeed_checkpoint:
+        region = settings.regions.region_for(function)
+        return checkpoint_region(function, args, kwargs, region, settings.options(), settings=settings)
+    if not settings.config.use_reentrant:
+        settings.log_once("deepspeed-checkpoint-not-routed",
+                          f"pipeline.use_reentrant is false, but {describe_callable(function)} is checkpointed by "
+                          "deepspeed.checkpointing.checkpoint, DeepSpeed's reentrant checkpoint (the training "
+                          "stack's own call). Call ds_pipe_ckpt.route_deepspeed_checkpoint() once before training "
+                          "to run these calls through ds_pipe_ckpt's checkpoint, in the job's mode.")
+    return ORIGINAL_CHECKPOINT(function, *args, **kwargs)

@@ -264,6 +264,14 @@ class CheckpointingConfig:
     @classmethod
     def from_ds_config(cls, param_dict: Mapping[str, Any] | None) -> "CheckpointingConfig":
         """Parse the ``pipeline`` and ``activation_checkpointing`` sections."""
+        return cls(**cls.named_in(param_dict))
+
+    @classmethod
+    def named_in(cls, param_dict: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The fields a DeepSpeed config's ``pipeline.use_reentrant`` and
+        ``activation_checkpointing`` keys name, with their values (each checked
+        where it can be alone: the types of ``use_reentrant`` and the interval,
+        unknown keys; the whole is checked when a config is built from it)."""
         param_dict = {} if param_dict is None else param_dict
         if not isinstance(param_dict, Mapping):
             raise ConfigError("config", param_dict, "a dict parsed from the DeepSpeed JSON config")
@@ -281,13 +289,12 @@ class CheckpointingConfig:
                                   "Unknown keys are rejected rather than silently ignored; check the spelling.")
             if value is not None or key == "number_checkpoints":
                 values[key] = value
-        return cls(**values)
+        return values
 
-    def with_overrides(self, **overrides: Any) -> "CheckpointingConfig":
-        """Apply ``deepspeed.checkpointing.configure``-style keyword overrides.
-
-        ``None`` leaves a value as it is, as upstream's ``configure`` does.
-        """
+    @staticmethod
+    def override_fields(**overrides: Any) -> dict[str, Any]:
+        """``deepspeed.checkpointing.configure``-style keywords that are not
+        ``None``, as the fields they set."""
         changes = {}
         for key, value in overrides.items():
             if key not in OVERRIDE_KEYS:
@@ -295,7 +302,7 @@ class CheckpointingConfig:
                                 f"allowed: {sorted(OVERRIDE_KEYS)}")
             if value is not None:
                 changes[OVERRIDE_KEYS[key]] = value
-        return dataclasses.replace(self, **changes)
+        return changes
 
 
 def _section(param_dict: Mapping[str, Any], name: str) -> Mapping[str, Any]:

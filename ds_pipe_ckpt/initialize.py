@@ -16,7 +16,7 @@ from . import clipping
 from .compat import correct_gradient_accumulation, resolve_use_reentrant
 from .config import CheckpointingConfig, load_ds_config, pipeline_interval
 from .errors import ConfigError
-from .settings import configure
+from .settings import configure_job
 
 __all__ = ["initialize"]
 
@@ -98,7 +98,7 @@ def initialize(args: Any = None,
         resolve_use_reentrant(model, param_dict)
         if mpu is None:
             mpu = model.mpu()
-    settings = configure(mpu=mpu, deepspeed_config=param_dict)
+    settings = configure_job(param_dict, mpu)
     if settings.config.plans:
         engine, stage, stages = result[0], model.stage_id, model.num_stages
         model.enable_planning(settings.config.budget_bytes(stage, stages), engine.micro_batches,

@@ -19,7 +19,8 @@ from .compat import require_checkpoint_hooks
 from .config import LENGTH_BUCKETS, validate_interval
 from .errors import ConfigError
 from .regions import Region, RegionFacts, describe_callable, modules_of
-from .settings import current_settings
+from .settings import current_settings, note_job_use_reentrant
+from .upstream_checkpointing import ORIGINAL_CHECKPOINT, is_deepspeed_checkpoint
 
 __all__ = ["PipelineModule", "LayerSpec", "TiedLayerSpec", "REENTRANT", "NON_REENTRANT", "CUSTOM"]
 
@@ -63,6 +64,19 @@ def _layer_name(layer: Any) -> str:
     if isinstance(layer, _DSLayerSpec):
         return layer.typename.__name__
     return describe_callable(layer)
+
+
+def _require_one_mode(settings: Any, mode: str, name: str) -> None:
+    """One ``use_reentrant`` for the job: a configure call in code that chose
+    the other mode than the pipeline's (DeepSpeed's engine gives the pipeline
+    the JSON's ``pipeline.use_reentrant``) is refused, not half obeyed."""
+    chosen = settings.sources.program.get("use_reentrant")
+    if chosen is not None and chosen != (mode == REENTRANT):
+        raise ConfigError("use_reentrant", chosen, f"{mode == REENTRANT} (the pipeline's mode, which DeepSpeed's "
+                          "engine set from pipeline.use_reentrant), or not given",
+                          f"use_reentrant={chosen} given to {settings.sources.program_call} and the pipeline's JSON disagree "
+                          f"at {name}; one mode holds for the whole job: set pipeline.use_reentrant in the JSON "
+                          "and drop the keyword.")
 
 
 class PipelineModule(_DSPipelineModule):
@@ -109,7 +123,7 @@ class PipelineModule(_DSPipelineModule):
                  base_seed: int = 1234,
                  partition_method: str = "parameters",
                  activation_checkpoint_interval: int = 0,
-                 activation_checkpoint_func: Callable[..., Any] = ds_checkpointing.checkpoint,
+                 activation_checkpoint_func: Callable[..., Any] = ORIGINAL_CHECKPOINT,
                  checkpointable_layers: Sequence[str] | None = None,
                  dynamic_shape: bool = False,
                  partition_planning: Any = None):
@@ -189,6 +203,10 @@ class PipelineModule(_DSPipelineModule):
         self.__dict__["_activation_checkpoint_func"] = _require_checkpoint_func(func)
         # Which segments are checkpointed depends on the mode: recompute the cache.
         self.__dict__["is_checkpointable_results_interval"] = None
+        if func is ds_checkpointing.non_reentrant_checkpoint:
+            # DeepSpeed's engine read "pipeline": {"use_reentrant": false}: the
+            # job's mode, for ds_pipe_ckpt.checkpoint as for these segments.
+            note_job_use_reentrant(False)
 
     @property
     def checkpoint_mode(self) -> str:
@@ -196,7 +214,7 @@ class PipelineModule(_DSPipelineModule):
         func = self.activation_checkpoint_func
         if func is ds_checkpointing.non_reentrant_checkpoint:
             return NON_REENTRANT
-        if func is ds_checkpointing.checkpoint:
+        if is_deepspeed_checkpoint(func):
             return REENTRANT
         return CUSTOM
 
@@ -279,7 +297,9 @@ class PipelineModule(_DSPipelineModule):
         region = Region(self.segment_label(start, end), micro_batch=self.micro_offset,
                         facts=self._segment_facts(start, end), modules=self._segment_modules(start, end))
         if options is None:
-            options = current_settings().options(use_reentrant=mode == REENTRANT, policy=policy)
+            settings = current_settings()
+            _require_one_mode(settings, mode, region.name)
+            options = settings.options(use_reentrant=mode == REENTRANT, policy=policy)
         return checkpoint_region(run, inputs, {}, region, options, observer=observer)
 
     def run_segment(self, x: Any, start: int, end: int, seed_offset: int, *, checkpointed: bool,

@@ -35,7 +35,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .compat import require_deepspeed_reentrant
@@ -43,6 +42,7 @@ from .errors import InPlaceInputError
 from .module_state import KeptBuffers, keep_buffers
 from .recompute import mismatch, require_tensor_output
 from .regions import Region
+from .upstream_checkpointing import ORIGINAL_CHECKPOINT
 
 __all__ = ["ReentrantRegion", "reentrant_checkpoint"]
 
@@ -151,4 +151,4 @@ def reentrant_checkpoint(function: Callable[..., Any], args: tuple, kwarg_names:
     buffers = keep_buffers(region, function) if for_backward else None
     wrapped = ReentrantRegion(function, region, kwarg_names, inputs_are_copied=inputs_are_copied, buffers=buffers,
                               for_backward=for_backward)
-    return wrapped.rebuild(ds_checkpointing.checkpoint(wrapped, *args))
+    return wrapped.rebuild(ORIGINAL_CHECKPOINT(wrapped, *args))

@@ -1,29 +1,49 @@
-"""The activation-checkpointing settings in force, held in one object.
+"""The activation-checkpointing settings in force, held in one object, and
+where they come from.
 
-``configure()`` builds a new :class:`CheckpointingSettings` from defaults, a
-DeepSpeed config and keyword overrides, checks it, and swaps it in. Nothing
-else is module-level state.
+Three sources, in rising precedence, each replaced as a whole by its next call:
+
+1. the defaults (:class:`~ds_pipe_ckpt.CheckpointingConfig`'s);
+2. the job's JSON config: the keys its ``pipeline.use_reentrant`` and
+   ``activation_checkpointing`` name, as ``ds_pipe_ckpt.initialize`` reads
+   them (or, for ``use_reentrant``, as DeepSpeed's engine gives it to a
+   :class:`~ds_pipe_ckpt.PipelineModule`), with the pipeline grid as ``mpu``;
+3. the program's latest configure call in code, :func:`configure` or
+   ``deepspeed.checkpointing.configure`` alike: the keys its
+   ``deepspeed_config`` names, then its keywords that are not ``None``, and
+   its ``mpu`` (``deepspeed.checkpointing.configure`` keeps an earlier call's
+   when given ``None``, as DeepSpeed does).
+
+So ``initialize`` never undoes what a program configured, and a configure
+call after it keeps the JSON's keys the call does not name. Where the JSON
+and the program disagree the log says once which value is in force.
+
+DeepSpeed's checkpointing module is kept equal to the settings in force (the
+reentrant mode delegates to it); a change made to it behind
+ds_pipe_ckpt's wrappers (:mod:`ds_pipe_ckpt.upstream_checkpointing`) is
+adopted as a program call on the next use.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
 
 from deepspeed import comm as ds_comm
-from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
 from .config import CheckpointingConfig, load_ds_config
 from .options import CheckpointOptions
 from .errors import ConfigError
 from .parallel import TensorParallelGroup
 from .regions import RegionRegistry
+from . import upstream_checkpointing as upstream
 
 logger = logging.getLogger("ds_pipe_ckpt")
 
-__all__ = ["CheckpointingSettings", "configure", "current_settings"]
+__all__ = ["CheckpointingSettings", "ConfigSources", "configure", "current_settings", "configure_job",
+           "note_job_use_reentrant", "record_deepspeed_configure", "restore_defaults", "route_deepspeed_checkpoint"]
 
 # Options the reentrant mode delegates to DeepSpeed's checkpointing module (the
 # non-reentrant mode implements them in ds_pipe_ckpt.placement).
@@ -42,6 +62,10 @@ class CheckpointingSettings:
 
     config: CheckpointingConfig = field(default_factory=CheckpointingConfig)
     model_parallel: TensorParallelGroup | None = None
+    # Where config came from (see the module docstring).
+    sources: "ConfigSources" = field(default_factory=lambda: ConfigSources(), repr=False, compare=False)
+    # ds_pipe_ckpt.route_deepspeed_checkpoint(): deepspeed.checkpointing.checkpoint calls run ds_pipe_ckpt's.
+    routes_deepspeed_checkpoint: bool = False
     # Warnings already issued, so that each is logged once per configuration.
     warned: set = field(default_factory=set)
     # What the functions given to checkpoint() showed on their first call
@@ -77,13 +101,62 @@ class CheckpointingSettings:
             self.warned.add(key)
             warnings.warn(message, category, stacklevel=3)
 
+    def log_once(self, key: str, message: str) -> None:
+        """Log ``message`` (a warning) the first time ``key`` is seen under this configuration."""
+        if key not in self.warned:
+            self.warned.add(key)
+            logger.warning("ds_pipe_ckpt: %s", message)
+
+
+@dataclass(frozen=True)
+class ConfigSources:
+    """What the settings in force were built from (see the module docstring):
+    :class:`~ds_pipe_ckpt.CheckpointingConfig` fields by source, and the ``mpu``."""
+
+    job: Mapping[str, Any] = field(default_factory=dict)
+    job_mpu: Any = None
+    program: Mapping[str, Any] = field(default_factory=dict)
+    program_mpu: Any = None
+    program_call: str = ""  # e.g. "deepspeed.checkpointing.configure()", for messages
+
+    def config(self) -> CheckpointingConfig:
+        """The defaults, then the job's values, then the program's (validated)."""
+        return CheckpointingConfig(**{**self.job, **self.program})
+
+    @property
+    def mpu(self) -> Any:
+        return self.program_mpu if self.program_mpu is not None else self.job_mpu
+
+    def conflicts(self) -> list[str]:
+        """Where the program's call overrides a value the JSON gives, in words."""
+        notes = [f"{_json_key(name)} = {self.job[name]!r} in the JSON, {self.program[name]!r} by "
+                 f"{self.program_call}: {self.program[name]!r} is in force"
+                 for name in sorted(self.job.keys() & self.program.keys()) if self.job[name] != self.program[name]]
+        if self.job_mpu is not None and self.program_mpu is not None and self.job_mpu is not self.program_mpu:
+            notes.append(f"the model-parallel unit given by {self.program_call} is in force over the "
+                         "pipeline's grid (initialize)")
+        return notes
+
+
+def _json_key(name: str) -> str:
+    return f"pipeline.{name}" if name == "use_reentrant" else f"activation_checkpointing.{name}"
+
 
 class _Holder:
     settings = CheckpointingSettings()
+    # What DeepSpeed's checkpointing module held after ds_pipe_ckpt last wrote or read it.
+    upstream_seen = upstream.state_key()
 
 
 def current_settings() -> CheckpointingSettings:
-    """The settings in force (defaults until :func:`configure` is called)."""
+    """The settings in force (defaults until something configures them).
+
+    DeepSpeed's checkpointing module is checked first: a configuration made on
+    it without going through ds_pipe_ckpt's wrapper of
+    ``deepspeed.checkpointing.configure`` is adopted as the program's latest
+    call (a one-time log line names the values)."""
+    if upstream.state_key() != _Holder.upstream_seen:
+        _adopt_upstream()
     return _Holder.settings
 
 
@@ -117,7 +190,7 @@ def _configure_upstream(config: CheckpointingConfig, model_parallel: TensorParal
     # Over a group of one there is nothing to partition; DeepSpeed would still
     # copy every input (and gather over its default group).
     partition = config.partition_activations and model_parallel.world_size > 1
-    ds_checkpointing.configure(
+    upstream.ORIGINAL_CONFIGURE(
         model_parallel,
         partition_activations=partition,
         contiguous_checkpointing=config.contiguous_memory_optimization and partition,
@@ -126,6 +199,28 @@ def _configure_upstream(config: CheckpointingConfig, model_parallel: TensorParal
         synchronize=config.synchronize_checkpoint_boundary,
         profile=config.profile,
     )
+
+
+def _apply(sources: ConfigSources, *, routes: bool | None = None) -> CheckpointingSettings:
+    """Build, check and swap in the settings of ``sources``; DeepSpeed's module
+    mirrors them. On an error nothing changes."""
+    config = sources.config()
+    model_parallel = _model_parallel_group(config, sources.mpu)
+    _configure_upstream(config, model_parallel)
+    previous = _Holder.settings
+    # What regions showed on their first call does not depend on the
+    # configuration: keep it, so that reconfiguring does not relearn every region.
+    settings = CheckpointingSettings(config=config, model_parallel=model_parallel, sources=sources,
+                                     routes_deepspeed_checkpoint=previous.routes_deepspeed_checkpoint
+                                     if routes is None else routes, regions=previous.regions)
+    # A note already logged under the previous settings is not logged again.
+    settings.warned.update(key for key in previous.warned if key.startswith("conflict:"))
+    _Holder.settings = settings
+    _Holder.upstream_seen = upstream.state_key()
+    for note in sources.conflicts():
+        settings.log_once(f"conflict:{note}", note)
+    logger.info("activation checkpointing configured: %s", config)
+    return settings
 
 
 def configure(mpu_: Any = None,
@@ -139,45 +234,117 @@ def configure(mpu_: Any = None,
               *,
               mpu: Any = None,
               **overrides: Any) -> CheckpointingSettings:
-    """Configure activation checkpointing: drop-in for ``deepspeed.checkpointing.configure``
-    (the same arguments, names and positional order).
+    """Configure activation checkpointing in code: drop-in for
+    ``deepspeed.checkpointing.configure`` (the same arguments, names and
+    positional order), and the same source as a call to that: the program's.
 
-    Each call starts from the defaults, then applies ``deepspeed_config``, then
-    the keyword values. The result is one settings object (returned), not
-    module globals.
+    The call replaces the program's previous call: the keys its
+    ``deepspeed_config`` names, then its keyword values that are not ``None``,
+    over the job's JSON config (what ``ds_pipe_ckpt.initialize`` read, which
+    it never undoes), over the defaults. The result is one settings object
+    (returned), not module globals; DeepSpeed's checkpointing module is set to
+    match it.
 
     Args:
         mpu_: model-parallel unit (``get_model_parallel_group/rank/world_size``,
             or the tensor-parallel variants; a pipeline's ``PipelineModule.mpu()``
-            grid works): the group ``partition_activations`` splits over. Without
-            one, partitioning has a group of one rank (a one-time log note).
-            ``mpu=`` is accepted as well.
+            grid works): the group ``partition_activations`` splits over;
+            ``None``: the pipeline's grid where ``ds_pipe_ckpt.initialize`` gave
+            one, else a group of one rank (a one-time log note). (A call of
+            ``deepspeed.checkpointing.configure`` with ``None`` keeps the unit of
+            its earlier call, as DeepSpeed does.) ``mpu=`` is accepted as well.
         deepspeed_config: a DeepSpeed config dict, JSON path or base64 string; its
-            ``pipeline.use_reentrant`` and ``activation_checkpointing`` sections are read.
+            ``pipeline.use_reentrant`` and ``activation_checkpointing`` keys are read.
         partition_activations, contiguous_checkpointing, num_checkpoints,
         checkpoint_in_cpu, synchronize, profile: DeepSpeed's overrides of the
-            ``activation_checkpointing`` keys; ``None`` leaves a value as configured.
+            ``activation_checkpointing`` keys; ``None`` leaves a value to the
+            call's ``deepspeed_config``, the job's JSON or the default.
         **overrides: ours: ``use_reentrant``, ``debug``, ``verify_recompute``,
-            ``early_stop``, ``policy``, ``save_ops`` (``None``: as configured).
+            ``early_stop``, ``policy``, ``save_ops`` (``None``: as above).
 
     Raises:
         ConfigError: a value of the wrong type or range, an unknown
-            ``activation_checkpointing`` key, an ``mpu`` without model-parallel methods.
+            ``activation_checkpointing`` key, an ``mpu`` without model-parallel
+            methods; the settings in force are then unchanged.
         TypeError: an unknown keyword, or ``mpu_`` and ``mpu`` both given.
     """
     if mpu_ is not None and mpu is not None and mpu_ is not mpu:
         raise TypeError("configure() got two model-parallel units: pass either mpu_ (DeepSpeed's name) or mpu")
-    mpu = mpu_ if mpu_ is not None else mpu
-    config = CheckpointingConfig.from_ds_config(load_ds_config(deepspeed_config))
-    config = config.with_overrides(partition_activations=partition_activations,
-                                   contiguous_checkpointing=contiguous_checkpointing,
-                                   num_checkpoints=num_checkpoints, checkpoint_in_cpu=checkpoint_in_cpu,
-                                   synchronize=synchronize, profile=profile, **overrides)
-    model_parallel = _model_parallel_group(config, mpu)
-    _configure_upstream(config, model_parallel)
-    # What regions showed on their first call does not depend on the
-    # configuration: keep it, so that reconfiguring does not relearn every region.
-    settings = CheckpointingSettings(config=config, model_parallel=model_parallel, regions=_Holder.settings.regions)
-    _Holder.settings = settings
-    logger.info("activation checkpointing configured: %s", config)
-    return settings
+    keywords = dict(partition_activations=partition_activations, contiguous_checkpointing=contiguous_checkpointing,
+                    num_checkpoints=num_checkpoints, checkpoint_in_cpu=checkpoint_in_cpu, synchronize=synchronize,
+                    profile=profile, **overrides)
+    current_settings()  # a change made to DeepSpeed's module before this call is adopted first
+    return _configure_program("ds_pipe_ckpt.configure()", mpu_ if mpu_ is not None else mpu, deepspeed_config,
+                              keywords)
+
+
+def _configure_program(call: str, mpu: Any, deepspeed_config: Any, keywords: dict) -> CheckpointingSettings:
+    # _Holder's sources, not current_settings()'s: DeepSpeed's module has just been
+    # changed by the call being recorded, which is no change behind our back.
+    program = {**CheckpointingConfig.named_in(load_ds_config(deepspeed_config)),
+               **CheckpointingConfig.override_fields(**keywords)}
+    return _apply(replace(_Holder.settings.sources, program=program, program_call=call, program_mpu=mpu))
+
+
+def record_deepspeed_configure(mpu_: Any, deepspeed_config: Any, **keywords: Any) -> CheckpointingSettings:
+    """A call of ``deepspeed.checkpointing.configure`` (DeepSpeed's function has
+    run): the program's latest configure call, as for :func:`configure`, except
+    that ``mpu_=None`` keeps the unit of an earlier call, as DeepSpeed keeps it."""
+    if mpu_ is None:
+        mpu_ = _Holder.settings.sources.program_mpu
+    return _configure_program(upstream.CONFIGURE_CALL, mpu_, deepspeed_config, keywords)
+
+
+def configure_job(param_dict: Any, mpu: Any = None) -> CheckpointingSettings:
+    """The job's JSON config (``ds_pipe_ckpt.initialize``): its keys replace the
+    job's source; what the program configured in code stays in force over them."""
+    sources = current_settings().sources
+    return _apply(replace(sources, job=CheckpointingConfig.named_in(load_ds_config(param_dict)), job_mpu=mpu))
+
+
+def note_job_use_reentrant(use_reentrant: bool) -> None:
+    """The job's ``pipeline.use_reentrant`` as DeepSpeed's engine gave it to a
+    pipeline (``deepspeed.initialize`` without ``ds_pipe_ckpt.initialize``), so
+    that :func:`ds_pipe_ckpt.checkpoint` follows it too."""
+    sources = current_settings().sources
+    if sources.job.get("use_reentrant") != use_reentrant:
+        _apply(replace(sources, job={**sources.job, "use_reentrant": use_reentrant}))
+
+
+def route_deepspeed_checkpoint(enabled: bool = True) -> None:
+    """Run every ``deepspeed.checkpointing.checkpoint(function, *args)`` call of
+    this process as :func:`ds_pipe_ckpt.checkpoint`, under the settings in force
+    (``pipeline.use_reentrant`` included), for training stacks whose own layers
+    call DeepSpeed's checkpoint (Megatron-DeepSpeed's ``tensor_parallel.checkpoint``,
+    GPT-NeoX's ``checkpoint``). The keyword arguments of those calls go to
+    ``function``, as DeepSpeed passes them. ``False`` gives the calls back to
+    DeepSpeed's reentrant checkpoint. Explicit on purpose: nothing routes them
+    otherwise, and a job whose ``use_reentrant`` is false while they still run
+    upstream's checkpoint logs so once."""
+    if not isinstance(enabled, bool):
+        raise ConfigError("route_deepspeed_checkpoint(enabled)", enabled, "True or False")
+    upstream.install()
+    settings = current_settings()
+    settings.routes_deepspeed_checkpoint = enabled
+
+
+def restore_defaults() -> CheckpointingSettings:
+    """Forget every source (the job's, the program's, the routing): the
+    defaults are in force again, DeepSpeed's module included (for tests and
+    notebooks that build several jobs in one process)."""
+    return _apply(ConfigSources(), routes=False)
+
+
+def _adopt_upstream() -> None:
+    state = upstream.snapshot()
+    sources = _Holder.settings.sources
+    mpu = state.mpu
+    if mpu is None or isinstance(mpu, TensorParallelGroup) or mpu is sources.job_mpu:
+        mpu = sources.program_mpu  # what _configure_upstream wrote, or the job's
+    _Holder.upstream_seen = tuple(state)  # whatever happens next, adopt this state once
+    settings = _apply(replace(sources, program=state.fields(), program_mpu=mpu,
+                              program_call="a direct change of DeepSpeed's checkpointing module"))
+    settings.log_once("adopted-upstream", "DeepSpeed's checkpointing module was changed behind ds_pipe_ckpt's "
+                      f"wrapper of {upstream.CONFIGURE_CALL} (a function imported before ds_pipe_ckpt, or its "
+                      "globals set): "
+                      f"its values are the program's now: {state.fields()}")

@@ -8,10 +8,10 @@ import pytest  # noqa: E402
 @pytest.fixture(autouse=True)
 def default_checkpointing_settings():
     """Every test starts (and leaves) ds_pipe_ckpt with default settings."""
-    import ds_pipe_ckpt
-    ds_pipe_ckpt.configure()
+    from ds_pipe_ckpt.settings import restore_defaults
+    restore_defaults()
     yield
-    ds_pipe_ckpt.configure()
+    restore_defaults()
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
 from ..compat import all_gather_single
 from ..config import CheckpointingConfig
@@ -30,9 +29,10 @@ from ..errors import ConfigError
 from ..parallel import TensorParallelGroup
 from .profiling import CheckpointProfiler, CheckpointRecord
 from ..settings import CheckpointingSettings, current_settings
+from ..upstream_checkpointing import ORIGINAL_RESET
 from .stash import SegmentStash
 
-__all__ = ["placement_for", "RegionPlacement", "reset", "profile_records", "CheckpointRuntime"]
+__all__ = ["placement_for", "RegionPlacement", "reset", "release_buffers", "profile_records", "CheckpointRuntime"]
 
 
 class CheckpointRuntime:
@@ -155,9 +155,18 @@ def placement_for(settings: CheckpointingSettings) -> RegionPlacement | None:
     return RegionPlacement(runtime) if runtime.active else None
 
 
+def release_buffers() -> None:
+    """Release ds_pipe_ckpt's pooled buffers of checkpointed inputs (a call of
+    ``deepspeed.checkpointing.reset`` does it too, after DeepSpeed's own)."""
+    runtime = current_settings().runtime
+    if runtime is not None:
+        runtime.reset()
+
+
 def reset() -> None:
     """Release the buffers that hold checkpointed inputs: drop-in for
-    ``deepspeed.checkpointing.reset``.
+    ``deepspeed.checkpointing.reset``, which does the same since
+    ds_pipe_ckpt is imported. The settings in force are not touched.
 
     Not needed in training: a segment's pooled buffer returns to the pool when its
     recomputation has consumed it (or when its graph is freed without a backward).
@@ -166,10 +175,8 @@ def reset() -> None:
     pool's memory back. Also resets DeepSpeed's own buffers, which the reentrant
     mode uses.
     """
-    runtime = current_settings().runtime
-    if runtime is not None:
-        runtime.reset()
-    ds_checkpointing.reset()
+    release_buffers()
+    ORIGINAL_RESET()
 
 
 def profile_records() -> list[CheckpointRecord]:

@@ -16,8 +16,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import deepspeed
 import ds_pipe_ckpt
+from ds_pipe_ckpt import upstream_checkpointing
 from ds_pipe_ckpt.compat import ALL_GATHER_SINGLE
+from ds_pipe_ckpt.settings import restore_defaults
 from ds_pipe_ckpt.testing import run_ranks
 
 # ---------------------------------------------------------------------------------
@@ -254,6 +257,39 @@ class Scale(nn.Module):
         return x * 1.5
 
 
+class StackModelParallelUnit:
+    """A training stack's mpu (Megatron's names) over a pipeline grid's model-parallel slice."""
+
+    def __init__(self, grid):
+        self.grid = grid
+
+    def get_tensor_model_parallel_group(self):
+        return self.grid.get_slice_parallel_group()
+
+    def get_tensor_model_parallel_rank(self):
+        return self.grid.get_slice_parallel_rank()
+
+    def get_tensor_model_parallel_world_size(self):
+        return self.grid.get_slice_parallel_world_size()
+
+    get_model_parallel_group = get_tensor_model_parallel_group
+    get_model_parallel_rank = get_tensor_model_parallel_rank
+    get_model_parallel_world_size = get_tensor_model_parallel_world_size
+
+    def get_data_parallel_group(self):
+        return self.grid.get_data_parallel_group()
+
+    def get_data_parallel_rank(self):
+        return self.grid.get_data_parallel_rank()
+
+    def get_data_parallel_world_size(self):
+        return self.grid.get_data_parallel_world_size()
+
+
+STACK_KEYS = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization", "number_checkpoints",
+              "synchronize_checkpoint_boundary", "use_reentrant")
+
+
 def pipeline_rank_job(counter=None, steps=3):
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
@@ -261,11 +297,14 @@ def pipeline_rank_job(counter=None, steps=3):
 
     counter = counter or CollectiveCounter()
     results = {}
+    contiguous = {"partition_activations": True, "cpu_checkpointing": True, "contiguous_memory_optimization": True,
+                  "number_checkpoints": 6}
     for name, section in (("reference", {}), ("partition", {"partition_activations": True}),
-                          ("partition_cpu_contiguous", {"partition_activations": True, "cpu_checkpointing": True,
-                                                        "contiguous_memory_optimization": True,
-                                                        "number_checkpoints": 6})):
-        ds_pipe_ckpt.configure()
+                          ("partition_cpu_contiguous", contiguous),
+                          # Configured in code as the stacks do, the JSON without the section:
+                          # GPT-NeoX before initialize, Megatron-DeepSpeed (with its JSON) after.
+                          ("neox_style", {}), ("megatron_style", {})):
+        restore_defaults()
         torch.manual_seed(0)
         layers = [LayerSpec(nn.Linear, 8, 15), LayerSpec(nn.Tanh), LayerSpec(Scale),
                   LayerSpec(nn.Linear, 15, 15), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, 15, 3)]
@@ -278,14 +317,30 @@ def pipeline_rank_job(counter=None, steps=3):
                   # (PartitionedTensor.from_meta) fails for sizes not divisible by mp (here 5 x 15).
                   "pipeline": {"use_reentrant": False, "pipe_partitioned": False, "grad_partitioned": False},
                   "activation_checkpointing": section}
+        stack_mpu = StackModelParallelUnit(module.mpu())
+        if name == "neox_style":
+            deepspeed.checkpointing.configure(stack_mpu, partition_activations=True, contiguous_checkpointing=False,
+                                              num_checkpoints=6, checkpoint_in_cpu=True, synchronize=True,
+                                              profile=False)
         engine, _, _, _ = ds_pipe_ckpt.initialize(model=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.1),
                                                   config=config)
+        if name == "megatron_style":
+            deepspeed.checkpointing.configure(stack_mpu, deepspeed_config={**config, "activation_checkpointing": {
+                "contiguous_memory_optimization": True, "number_checkpoints": 6}}, partition_activations=True,
+                checkpoint_in_cpu=True)
         g = torch.Generator().manual_seed(5)
         data = iter([(torch.randn(5, 8, generator=g), torch.randint(0, 3, (5, ), generator=g))
                      for _ in range(2 * steps)])
         counter.take()
-        losses = [float(engine.train_batch(data_iter=data)) for _ in range(steps)]
+        losses = []
+        for _ in range(steps):
+            losses.append(float(engine.train_batch(data_iter=data)))
+            deepspeed.checkpointing.reset()  # GPT-NeoX does, every step
+        settings = ds_pipe_ckpt.current_settings()
         results[name] = {
+            "settings": {key: getattr(settings.config, key) for key in STACK_KEYS},
+            "deepspeed_module": upstream_checkpointing.snapshot().fields(),
+            "mpu_is_the_stacks": settings.model_parallel.mpu is stack_mpu,
             "losses": losses,
             "params": {n: p.detach().clone() for n, p in module.named_parameters()},
             "gathers": counter.take()[ALL_GATHER_SINGLE],
@@ -294,7 +349,7 @@ def pipeline_rank_job(counter=None, steps=3):
             "micro_batches": 2 * steps,
             "mp_world_size": ds_pipe_ckpt.current_settings().model_parallel.world_size,
         }
-    ds_pipe_ckpt.configure()
+    restore_defaults()
     return results
 
 
@@ -371,7 +426,7 @@ def pipeline_runs(four_rank_runs):
     return [result["pipeline"] for result in four_rank_runs]
 
 
-@pytest.mark.parametrize("option", ["partition", "partition_cpu_contiguous"])
+@pytest.mark.parametrize("option", ["partition", "partition_cpu_contiguous", "neox_style", "megatron_style"])
 def test_pipeline_2_stages_x_mp2_trains_exactly(pipeline_runs, option):
     for rank, result in enumerate(pipeline_runs):
         ref, got = result["reference"], result[option]
@@ -385,3 +440,21 @@ def test_pipeline_2_stages_x_mp2_trains_exactly(pipeline_runs, option):
         recomputed = {0: 2, 1: 3}[got["stage"]]
         assert got["gathers"] == recomputed * got["micro_batches"], (rank, got["gathers"])
         assert ref["gathers"] == 0
+
+
+@pytest.mark.parametrize("option", ["neox_style", "megatron_style"])
+def test_settings_a_stack_made_in_code_are_in_force(pipeline_runs, option):
+    """deepspeed.checkpointing.configure before (GPT-NeoX) or after (Megatron-DeepSpeed)
+    ds_pipe_ckpt.initialize, whose JSON has no activation_checkpointing section:
+    the stack's values and mpu govern ds_pipe_ckpt's checkpoint (its partitioning
+    gathered above) and DeepSpeed's module alike, after reset() every step."""
+    expected = {"partition_activations": True, "cpu_checkpointing": True, "number_checkpoints": 6,
+                "contiguous_memory_optimization": option == "megatron_style",
+                "synchronize_checkpoint_boundary": option == "neox_style", "use_reentrant": False}
+    for rank, result in enumerate(pipeline_runs):
+        got = result[option]
+        assert got["settings"] == expected, f"rank {rank}: {got['settings']}"
+        assert got["mpu_is_the_stacks"], f"rank {rank}: partitioned over another unit than the stack's"
+        upstream = {**{key: value for key, value in expected.items() if key != "use_reentrant"}, "profile": False}
+        assert got["deepspeed_module"] == upstream, f"rank {rank}: DeepSpeed's module holds {got['deepspeed_module']}"
+        assert result["reference"]["deepspeed_module"]["partition_activations"] is False
