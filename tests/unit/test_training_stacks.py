@@ -124,14 +124,17 @@ def test_a_change_behind_the_wrapper_is_adopted(single_rank_process_group, caplo
 def test_the_engines_use_reentrant_is_ds_pipe_ckpt_checkpoints_too(single_rank_process_group):
     """Built by deepspeed.initialize, not ours: the JSON's false still reaches
     ds_pipe_ckpt.checkpoint, which then keeps a frozen input's parameter gradients."""
-    _initialize(_pipeline(), _json(pipeline={"use_reentrant": False}), via=deepspeed.initialize)
+    # The interval in the JSON too: before 0.19 DeepSpeed's engine reads use_reentrant only then.
+    _initialize(_pipeline(), _json(pipeline={"use_reentrant": False, "activation_checkpoint_interval": 1}),
+                via=deepspeed.initialize)
     assert ds_pipe_ckpt.current_settings().config.use_reentrant is False
 
 
 def test_one_mode_per_job(single_rank_process_group):
     ds_pipe_ckpt.configure(use_reentrant=True)
     module = _pipeline()
-    engine = _initialize(module, _json(pipeline={"use_reentrant": False}), via=deepspeed.initialize)
+    engine = _initialize(module, _json(pipeline={"use_reentrant": False, "activation_checkpoint_interval": 1}),
+                         via=deepspeed.initialize)
     batch = iter([(torch.randn(2, 6), torch.tensor([0, 2]))])
     with pytest.raises(ConfigError, match=r"use_reentrant.*pipeline\.use_reentrant in the JSON"):
         engine.train_batch(data_iter=batch)
