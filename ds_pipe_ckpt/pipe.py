@@ -74,8 +74,8 @@ def _require_one_mode(settings: Any, mode: str, name: str) -> None:
     if chosen is not None and chosen != (mode == REENTRANT):
         raise ConfigError("use_reentrant", chosen, f"{mode == REENTRANT} (the pipeline's mode, which DeepSpeed's "
                           "engine set from pipeline.use_reentrant), or not given",
-                          f"use_reentrant={chosen} given to {settings.sources.program_call} and the pipeline's JSON disagree "
-                          f"at {name}; one mode holds for the whole job: set pipeline.use_reentrant in the JSON "
+                          f"use_reentrant={chosen} given to {settings.sources.program_call} and the pipeline's "
+                          f"JSON disagree at {name}; one mode holds for the whole job: set pipeline.use_reentrant in the JSON "
                           "and drop the keyword.")
 
 

@@ -56,6 +56,40 @@ _UPSTREAM_OPTIONS = (
 )
 
 
+@dataclass(frozen=True)
+class ConfigSources:
+    """What the settings in force were built from (see the module docstring):
+    :class:`~ds_pipe_ckpt.CheckpointingConfig` fields by source, and the ``mpu``."""
+
+    job: Mapping[str, Any] = field(default_factory=dict)
+    job_mpu: Any = None
+    program: Mapping[str, Any] = field(default_factory=dict)
+    program_mpu: Any = None
+    program_call: str = ""  # e.g. "deepspeed.checkpointing.configure()", for messages
+
+    def config(self) -> CheckpointingConfig:
+        """The defaults, then the job's values, then the program's (validated)."""
+        return CheckpointingConfig(**{**self.job, **self.program})
+
+    @property
+    def mpu(self) -> Any:
+        return self.program_mpu if self.program_mpu is not None else self.job_mpu
+
+    def conflicts(self) -> list[str]:
+        """Where the program's call overrides a value the JSON gives, in words."""
+        notes = [f"{_json_key(name)} = {self.job[name]!r} in the JSON, {self.program[name]!r} by "
+                 f"{self.program_call}: {self.program[name]!r} is in force"
+                 for name in sorted(self.job.keys() & self.program.keys()) if self.job[name] != self.program[name]]
+        if self.job_mpu is not None and self.program_mpu is not None and self.job_mpu is not self.program_mpu:
+            notes.append(f"the model-parallel unit given by {self.program_call} is in force over the "
+                         "pipeline's grid (initialize)")
+        return notes
+
+
+def _json_key(name: str) -> str:
+    return f"pipeline.{name}" if name == "use_reentrant" else f"activation_checkpointing.{name}"
+
+
 @dataclass
 class CheckpointingSettings:
     """Configuration plus the model-parallel unit (``mpu``) it applies to."""
@@ -63,7 +97,7 @@ class CheckpointingSettings:
     config: CheckpointingConfig = field(default_factory=CheckpointingConfig)
     model_parallel: TensorParallelGroup | None = None
     # Where config came from (see the module docstring).
-    sources: "ConfigSources" = field(default_factory=lambda: ConfigSources(), repr=False, compare=False)
+    sources: ConfigSources = field(default_factory=ConfigSources, repr=False, compare=False)
     # ds_pipe_ckpt.route_deepspeed_checkpoint(): deepspeed.checkpointing.checkpoint calls run ds_pipe_ckpt's.
     routes_deepspeed_checkpoint: bool = False
     # Warnings already issued, so that each is logged once per configuration.
@@ -106,40 +140,6 @@ class CheckpointingSettings:
         if key not in self.warned:
             self.warned.add(key)
             logger.warning("ds_pipe_ckpt: %s", message)
-
-
-@dataclass(frozen=True)
-class ConfigSources:
-    """What the settings in force were built from (see the module docstring):
-    :class:`~ds_pipe_ckpt.CheckpointingConfig` fields by source, and the ``mpu``."""
-
-    job: Mapping[str, Any] = field(default_factory=dict)
-    job_mpu: Any = None
-    program: Mapping[str, Any] = field(default_factory=dict)
-    program_mpu: Any = None
-    program_call: str = ""  # e.g. "deepspeed.checkpointing.configure()", for messages
-
-    def config(self) -> CheckpointingConfig:
-        """The defaults, then the job's values, then the program's (validated)."""
-        return CheckpointingConfig(**{**self.job, **self.program})
-
-    @property
-    def mpu(self) -> Any:
-        return self.program_mpu if self.program_mpu is not None else self.job_mpu
-
-    def conflicts(self) -> list[str]:
-        """Where the program's call overrides a value the JSON gives, in words."""
-        notes = [f"{_json_key(name)} = {self.job[name]!r} in the JSON, {self.program[name]!r} by "
-                 f"{self.program_call}: {self.program[name]!r} is in force"
-                 for name in sorted(self.job.keys() & self.program.keys()) if self.job[name] != self.program[name]]
-        if self.job_mpu is not None and self.program_mpu is not None and self.job_mpu is not self.program_mpu:
-            notes.append(f"the model-parallel unit given by {self.program_call} is in force over the "
-                         "pipeline's grid (initialize)")
-        return notes
-
-
-def _json_key(name: str) -> str:
-    return f"pipeline.{name}" if name == "use_reentrant" else f"activation_checkpointing.{name}"
 
 
 class _Holder:
@@ -323,9 +323,7 @@ def route_deepspeed_checkpoint(enabled: bool = True) -> None:
     upstream's checkpoint logs so once."""
     if not isinstance(enabled, bool):
         raise ConfigError("route_deepspeed_checkpoint(enabled)", enabled, "True or False")
-    upstream.install()
-    settings = current_settings()
-    settings.routes_deepspeed_checkpoint = enabled
+    current_settings().routes_deepspeed_checkpoint = enabled
 
 
 def restore_defaults() -> CheckpointingSettings:

@@ -14,7 +14,7 @@ replaces those three attributes of the module with thin wrappers
 * ``configure``: then hands the call's values to
   :func:`ds_pipe_ckpt.settings.record_deepspeed_configure`, so that they are
   the settings ds_pipe_ckpt's checkpoint uses too, in both modes.
-* ``reset``: then also releases ds_pipe_ckpt's pooled buffers.
+* ``reset``: :func:`ds_pipe_ckpt.reset`, which also releases ds_pipe_ckpt's pooled buffers.
 * ``checkpoint``: routed to :func:`ds_pipe_ckpt.checkpoint` only after the
   explicit opt-in :func:`ds_pipe_ckpt.route_deepspeed_checkpoint`; otherwise
   it is upstream's reentrant checkpoint, with a one-time log line when the
@@ -113,10 +113,9 @@ def _configure(mpu_=None, deepspeed_config=None, partition_activations=None, con
 
 @_wrapping(ORIGINAL_RESET)
 def _reset():
-    ORIGINAL_RESET()
-    from .placement.runtime import release_buffers
+    from .placement.runtime import reset  # DeepSpeed's reset, then ds_pipe_ckpt's buffers
 
-    release_buffers()
+    reset()
 
 
 @_wrapping(ORIGINAL_CHECKPOINT)

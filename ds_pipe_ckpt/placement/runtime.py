@@ -32,7 +32,7 @@ from ..settings import CheckpointingSettings, current_settings
 from ..upstream_checkpointing import ORIGINAL_RESET
 from .stash import SegmentStash
 
-__all__ = ["placement_for", "RegionPlacement", "reset", "release_buffers", "profile_records", "CheckpointRuntime"]
+__all__ = ["placement_for", "RegionPlacement", "reset", "profile_records", "CheckpointRuntime"]
 
 
 class CheckpointRuntime:
@@ -155,14 +155,6 @@ def placement_for(settings: CheckpointingSettings) -> RegionPlacement | None:
     return RegionPlacement(runtime) if runtime.active else None
 
 
-def release_buffers() -> None:
-    """Release ds_pipe_ckpt's pooled buffers of checkpointed inputs (a call of
-    ``deepspeed.checkpointing.reset`` does it too, after DeepSpeed's own)."""
-    runtime = current_settings().runtime
-    if runtime is not None:
-        runtime.reset()
-
-
 def reset() -> None:
     """Release the buffers that hold checkpointed inputs: drop-in for
     ``deepspeed.checkpointing.reset``, which does the same since
@@ -175,7 +167,9 @@ def reset() -> None:
     pool's memory back. Also resets DeepSpeed's own buffers, which the reentrant
     mode uses.
     """
-    release_buffers()
+    runtime = current_settings().runtime
+    if runtime is not None:
+        runtime.reset()
     ORIGINAL_RESET()
 
 

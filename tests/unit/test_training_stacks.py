@@ -54,7 +54,8 @@ def test_deepspeeds_configure_is_ds_pipe_ckpts(single_rank_process_group):
                            "use_reentrant": True}
     assert ds_pipe_ckpt.current_settings().sources.program_call == "deepspeed.checkpointing.configure()"
     # And DeepSpeed's own module holds them (for upstream's reentrant checkpoint).
-    assert (ds_checkpointing.CPU_CHECKPOINT, ds_checkpointing.SYNCHRONIZE, ds_checkpointing.num_layers) == (True, True, 3)
+    upstream = (ds_checkpointing.CPU_CHECKPOINT, ds_checkpointing.SYNCHRONIZE, ds_checkpointing.num_layers)
+    assert upstream == (True, True, 3)
 
 
 def test_initialize_undoes_nothing_a_program_configured(single_rank_process_group):
