@@ -27,7 +27,11 @@ inputs, and recomputes it in backward with grad enabled. Around it,
   silently compute different gradients. When DeepSpeed stores copies
   (``partition_activations`` over a group of more than one rank, or
   ``cpu_checkpointing``) the floating-point inputs are copies and cannot be
-  reached; the others are still checked.
+  reached; the others are still checked;
+* hands back each input's gradient in the layout the recomputed graph gave it
+  (:func:`_keep_gradient_layout`), so the layers before the region reduce it
+  in the same order as without checkpointing: bitwise the same gradients
+  where DeepSpeed's (and torch's reentrant checkpoint) differ in the last bits.
 """
 
 from __future__ import annotations
@@ -47,6 +51,31 @@ from .upstream_checkpointing import ORIGINAL_CHECKPOINT
 __all__ = ["ReentrantRegion", "reentrant_checkpoint"]
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.Size, torch.dtype, torch.device)
+
+
+def _keep_gradient_layout(leaf: torch.Tensor) -> None:
+    """Make ``leaf.grad`` the gradient the recomputed graph computed for it, in
+    that gradient's own memory layout.
+
+    ``leaf`` is DeepSpeed's detached copy of a region input; its backward hands
+    ``leaf.grad`` on as the input's gradient. torch's ``AccumulateGrad`` lays a
+    new ``.grad`` out like the leaf (contiguous), where the graph without
+    checkpointing passes the gradient on as computed (e.g. the strided gradient
+    of a later ``transpose``). Same values, but a reduction in the layers before
+    the region (a bias gradient summed over batch and sequence) would add them in
+    another order and differ in the last bits from no checkpointing."""
+    computed: list[torch.Tensor] = []
+
+    def remember(grad: torch.Tensor) -> None:
+        computed[:] = [grad]
+
+    def restore(tensor: torch.Tensor) -> None:
+        if computed and tensor.grad is not None and tensor.grad.stride() != computed[0].stride():
+            tensor.grad = computed[0]
+        computed.clear()
+
+    leaf.register_hook(remember)
+    leaf.register_post_accumulate_grad_hook(restore)
 
 
 def _holds_tensor(value: Any) -> bool:
@@ -124,6 +153,9 @@ class ReentrantRegion:
                     "would see different values and compute wrong gradients. Typically a later layer "
                     "changes, in place, a tensor this region received (or returned). Make that op "
                     "out-of-place (e.g. inplace=False, x = x + y instead of x += y) or clone the tensor first.")
+        for arg in args:
+            if isinstance(arg, torch.Tensor) and arg.requires_grad and arg.is_leaf and arg.grad is None:
+                _keep_gradient_layout(arg)
         buffers = self.buffers
         live = buffers.swap_in() if buffers is not None else None
         try:
