@@ -3,6 +3,7 @@ checkpointing on torch's non-reentrant checkpoint."""
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -19,10 +20,13 @@ from .compat import require_checkpoint_hooks
 from .config import LENGTH_BUCKETS, validate_interval
 from .errors import ConfigError
 from .regions import Region, RegionFacts, describe_callable, modules_of
+from .placement.runtime import inputs_are_placed
 from .settings import current_settings, note_job_use_reentrant
 from .upstream_checkpointing import ORIGINAL_CHECKPOINT, is_deepspeed_checkpoint
 
 __all__ = ["PipelineModule", "LayerSpec", "TiedLayerSpec", "REENTRANT", "NON_REENTRANT", "CUSTOM"]
+
+logger = logging.getLogger("ds_pipe_ckpt")
 
 REENTRANT = "reentrant"
 NON_REENTRANT = "non_reentrant"
@@ -94,9 +98,17 @@ class PipelineModule(_DSPipelineModule):
       whatever the interval is when the engine is built, including 0 with
       :meth:`set_checkpoint_interval` called later.
     * Segments: ``activation_checkpoint_interval`` layers each. In non-reentrant mode
-      every segment is checkpointed, parameter-free ones included, unless
+      every segment is checkpointable, parameter-free ones included, unless
       ``checkpointable_layers`` (class names) restricts it. Reentrant mode keeps
       upstream's choice (segments that own parameters).
+    * Only segments whose checkpointing frees memory are checkpointed: one whose
+      first call through torch's checkpoint (every call in non-reentrant mode,
+      the fallback below in reentrant mode) saved for backward nothing but its
+      inputs and its parameters (an embedding, a tied LM head, a cast, a
+      reshape) runs plainly from then on, unless ``checkpointable_layers`` is
+      given (the user's choice stands) or inputs are partitioned or offloaded
+      (then checkpointing frees them). The same tensors are kept either way; no
+      recomputation is paid. :attr:`segment_checkpointing` shows the choice.
     * Reentrant mode never loses parameter gradients: a segment whose tensor inputs
       do not require grad runs through the non-reentrant checkpoint, with a one-time
       :class:`~ds_pipe_ckpt.ReentrantFallbackWarning`.
@@ -446,7 +458,67 @@ class PipelineModule(_DSPipelineModule):
         self._precompute_checkpointable_values()
         x = forward_input
         for segment, start in enumerate(range(0, num_layers, interval)):
-            x = self.run_segment(x, start, min(start + interval, num_layers), seed_offset,
-                                 checkpointed=self.is_checkpointable_results[segment])
+            end = min(start + interval, num_layers)
+            checkpointed = self.is_checkpointable_results[segment] and not self._frees_nothing(start, end)
+            x = self.run_segment(x, start, end, seed_offset, checkpointed=checkpointed)
         return x
+
+    # -- which segments checkpointing helps -------------------------------------------
+
+    def _frees_nothing(self, start: int, end: int) -> bool:
+        """Whether checkpointing segment ``[start, end)`` would free no memory:
+        its first checkpointed call saved for backward only its inputs and its
+        layers' parameters (an embedding, a head, a cast, a reshape), and no
+        ``activation_checkpointing`` option keeps inputs elsewhere (partitioned
+        or on the CPU, where checkpointing does free them). Such a segment runs
+        plainly: the same tensors are kept, and no recomputation is paid. Not
+        decided where the user chose: ``checkpointable_layers`` given, or a
+        custom ``activation_checkpoint_func``."""
+        facts = self.__dict__.get("_facts_by_segment", {}).get((start, end))
+        if facts is None or not facts.saves_only_inputs:
+            return False
+        if self.checkpointable_layers is not None or self.checkpoint_mode == CUSTOM:
+            return False
+        if inputs_are_placed(current_settings()):
+            return False
+        noted = self.__dict__.setdefault("_noted_plain_segments", set())
+        if (start, end) not in noted:
+            noted.add((start, end))
+            logger.info("ds_pipe_ckpt: %s runs without checkpointing from its second call on: its first "
+                        "checkpointed call saved only its inputs and parameters for backward, so checkpointing "
+                        "it frees no memory and costs a recomputation. Name its layers' classes in "
+                        "checkpointable_layers to checkpoint it anyway.", self.segment_label(start, end))
+        return True
+
+    @property
+    def segment_checkpointing(self) -> dict[str, str]:
+        """How each segment of the current interval runs, by its label
+        (:meth:`segment_label`): ``"checkpointed"``; ``"plain"`` (not
+        checkpointable: the interval is 0, ``checkpointable_layers`` or
+        reentrant mode's parameter rule leaves it out); ``"plain: frees
+        nothing"`` (its first call saved only its inputs and parameters, see
+        :meth:`_frees_nothing`); ``"not called yet"`` for a checkpointable
+        segment whose first call has not been seen. Empty for a custom
+        ``activation_checkpoint_func`` or with a memory budget (then see
+        :attr:`checkpoint_plan`)."""
+        interval, num_layers = self.activation_checkpoint_interval, len(self.forward_funcs)
+        if self.checkpoint_mode == CUSTOM or self.planning_enabled:
+            return {}
+        if interval == 0:
+            return {self.segment_label(0, num_layers): "plain"} if num_layers else {}
+        self._precompute_checkpointable_values()
+        choices = {}
+        for segment, start in enumerate(range(0, num_layers, interval)):
+            end = min(start + interval, num_layers)
+            facts = self.__dict__.get("_facts_by_segment", {}).get((start, end))
+            if not self.is_checkpointable_results[segment]:
+                choice = "plain"
+            elif self._frees_nothing(start, end):
+                choice = "plain: frees nothing"
+            elif facts is None or facts.saves_only_inputs is None:
+                choice = "not called yet"
+            else:
+                choice = "checkpointed"
+            choices[self.segment_label(start, end)] = choice
+        return choices
 

@@ -4,7 +4,8 @@ torch calls it once for the forward and once per recomputation; it is the one
 place that tells the two apart. Around the forward it records what the
 recomputation must reproduce (DeepSpeed's model-parallel RNG states, the
 module buffers the forward changes as they were before it, the tensors the
-region saves, with ``verify_recompute`` every op); around each recomputation
+region saves, with ``verify_recompute`` every op; on the region's first call,
+whether it saves anything beyond its inputs and parameters); around each recomputation
 it replays and checks them, inside the region placement's synchronisation and
 timing, and leaves the modules' buffers as the forward left them
 (:mod:`ds_pipe_ckpt.module_state`).
@@ -24,8 +25,9 @@ import torch
 from .inputs import unexpected_modification
 from .module_state import KeptBuffers, keep_buffers
 from .placement.runtime import RegionPlacement
-from .recompute import STOP_RECOMPUTATION, OpTrace, SavedTensorProbe, renamed, require_tensor_output
-from .regions import Region
+from .recompute import (STOP_RECOMPUTATION, OpTrace, SavedTensorLearner, SavedTensorProbe, renamed,
+                        require_tensor_output)
+from .regions import Region, modules_of
 
 __all__ = ["RegionCall"]
 
@@ -60,7 +62,9 @@ class RegionCall:
         self.region = region
         self.kwarg_names = kwarg_names
         self.tracker = tracker
-        self.probe = SavedTensorProbe(region, compare=check)
+        # A region whose saved tensors have not been seen yet learns them (SavedTensorLearner).
+        probe = SavedTensorProbe if region.facts.saves_only_inputs is not None else SavedTensorLearner
+        self.probe = probe(region, compare=check)
         self.trace = OpTrace(region) if verify else None
         self.placement = placement
         self.observer = observer
@@ -126,10 +130,13 @@ class RegionCall:
         run = self.fn if self.plain else self._forward_run
         # Module buffers the forward changes (ds_pipe_ckpt.module_state); owners == (): none at all.
         buffers = keep_buffers(region, self.fn) if grad and facts.buffers.owners != () else None
+        forward = self.probe.run_forward
+        if grad and facts.saves_only_inputs is None:
+            forward = self._learn_forward
         if buffers is None:
-            out = self.probe.run_forward(run, args)
+            out = forward(run, args)
         else:
-            out = buffers.run_forward(lambda a: self.probe.run_forward(run, a), args)
+            out = buffers.run_forward(lambda a: forward(run, a), args)
             self.buffers = buffers or None
         for position, tensor, version in watched:
             if tensor._version != version:
@@ -138,6 +145,11 @@ class RegionCall:
         if not isinstance(out, torch.Tensor):
             require_tensor_output(out, region)
         return out
+
+    def _learn_forward(self, run: Callable[..., Any], args: tuple) -> Any:
+        region = self.region
+        return self.probe.learn_forward(
+            run, args, lambda: region.modules if region.modules is not None else modules_of(self.fn))
 
     def _recompute(self, args: tuple) -> Any:
         placement, tracker, states = self.placement, self.tracker, self.tracker_states

@@ -5,7 +5,9 @@ A region is a pipeline segment (named by its layers) or the function given to
 :func:`ds_pipe_ckpt.checkpoint` (named by what the user wrote: a module by its
 class, a bound method or a ``functools.partial`` of one by
 ``Class.method``). Facts learned on a region's first call (:class:`RegionFacts`:
-whether its forward modifies an input in place) are kept per region so that
+whether its forward modifies an input in place, which module buffers it
+changes, whether it saves anything for backward beyond its inputs and
+parameters) are kept per region so that
 later calls act on them: a pipeline module keeps them per segment, and
 :class:`RegionRegistry` keeps one :class:`Region` per function, keyed by what
 the function *is* (the same module, the same method of the same object, the
@@ -62,10 +64,17 @@ class RegionFacts:
     enabled), then the positions of the tensor inputs that the region's forward
     modified in place (empty when it modifies none). ``buffers``: which module
     buffers its forward changes (:mod:`ds_pipe_ckpt.module_state`).
+    ``saves_only_inputs`` is ``None`` until a checkpointed call's saved tensors
+    have been seen, then whether every tensor its forward saved for backward
+    was (a view of) one of its inputs or of its modules' parameters: run
+    plainly, such a region keeps exactly what checkpointing keeps, so
+    checkpointing it frees nothing and only adds a recomputation
+    (:class:`~ds_pipe_ckpt.recompute.SavedTensorLearner`).
     """
 
     mutated_inputs: frozenset[int] | None = None
     buffers: BufferFacts = field(default_factory=BufferFacts)
+    saves_only_inputs: bool | None = None
 
     @property
     def learned(self) -> bool:

@@ -32,7 +32,7 @@ from ..settings import CheckpointingSettings, current_settings
 from ..upstream_checkpointing import ORIGINAL_RESET
 from .stash import SegmentStash
 
-__all__ = ["placement_for", "RegionPlacement", "reset", "profile_records", "CheckpointRuntime"]
+__all__ = ["placement_for", "inputs_are_placed", "RegionPlacement", "reset", "profile_records", "CheckpointRuntime"]
 
 
 class CheckpointRuntime:
@@ -153,6 +153,17 @@ def placement_for(settings: CheckpointingSettings) -> RegionPlacement | None:
     if runtime is None:
         runtime = settings.runtime = CheckpointRuntime(settings.config, settings.model_parallel)
     return RegionPlacement(runtime) if runtime.active else None
+
+
+def inputs_are_placed(settings: CheckpointingSettings) -> bool:
+    """Whether checkpoints under ``settings`` keep their inputs elsewhere than
+    where they are (partitioned across the model-parallel group, on the CPU,
+    in contiguous buffers): then checkpointing frees an input's memory even
+    where the region saves nothing else."""
+    runtime = settings.runtime
+    if runtime is None:
+        runtime = settings.runtime = CheckpointRuntime(settings.config, settings.model_parallel)
+    return runtime.places_inputs
 
 
 def reset() -> None:

@@ -159,3 +159,50 @@ def train(case, pp, steps=10, micro_batch=16, grad_accum=2):
 
 def train_cases(cases, pp, steps=10):
     return {name: train(case, pp, steps) for name, case in cases.items()}
+
+
+def train_gpt_segments(cases, steps=3, micro_batch=4, grad_accum=2):
+    """The GPT example (tied embedding / LM head, position table, blocks with
+    dropout, final norm) at pp=2 without ``checkpointable_layers``, one case per
+    entry of ``cases`` (keys: ``use_reentrant``, ``interval``, ``checkpointable_layers``,
+    ``activation_checkpointing``). Returns per case the losses, the parameters,
+    ``segment_checkpointing`` and how many times each segment was checkpointed."""
+    from examples.gpt.model import GPTConfig, gpt_layer_specs, language_model_loss
+    from ds_pipe_ckpt import pipe
+
+    sizes = GPTConfig(vocab_size=512, context=16, dim=32, heads=2, blocks=2, dropout=0.1)
+    results = {}
+    for name, case in cases.items():
+        ds_pipe_ckpt.configure()
+        torch.manual_seed(0)
+        module = PipelineModule(layers=gpt_layer_specs(sizes), num_stages=2, loss_fn=language_model_loss,
+                                partition_method="uniform", seed_layers=True,
+                                checkpointable_layers=case.get("checkpointable_layers"))
+        config = ds_config(micro_batch, grad_accum, 1, case.get("use_reentrant"), case.get("interval", 0),
+                           case.get("activation_checkpointing"))
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
+        engine, _, _, _ = ds_pipe_ckpt.initialize(model=module, optimizer=optimizer, config=config)
+        g = torch.Generator().manual_seed(7)
+        tokens = torch.randint(0, sizes.vocab_size, (steps * grad_accum, micro_batch, sizes.context + 1), generator=g)
+        data = iter([(t[:, :-1], t[:, 1:]) for t in tokens])
+        calls = {}
+        original = pipe.checkpoint_region
+
+        def counting(function, args, kwargs, region, *rest, **keywords):
+            label = region.name
+            calls[label] = calls.get(label, 0) + 1
+            return original(function, args, kwargs, region, *rest, **keywords)
+
+        pipe.checkpoint_region = counting
+        try:
+            losses = [float(engine.train_batch(data_iter=data)) for _ in range(steps)]
+        finally:
+            pipe.checkpoint_region = original
+        results[name] = {
+            "losses": losses,
+            "params": {n: p.detach().clone() for n, p in module.named_parameters()},
+            "choices": module.segment_checkpointing,
+            "calls": calls,
+            "micro_batches": steps * grad_accum,
+        }
+    return results
