@@ -13,7 +13,7 @@ Importing the package wraps ``deepspeed.checkpointing.configure``, ``reset``
 and ``checkpoint`` (DeepSpeed's functions still run, first and unchanged): a
 training stack's own configure call is then in force for ds_pipe_ckpt too,
 and its own checkpoint calls can be routed here with
-:func:`route_deepspeed_checkpoint` (see :mod:`ds_pipe_ckpt.upstream_checkpointing`).
+:func:`route_deepspeed_checkpoint` (see :mod:`ds_pipe_ckpt.deepspeed_wrappers`).
 """
 
 import warnings as _warnings
@@ -27,7 +27,7 @@ from .placement.runtime import profile_records, reset
 from .pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from .planning.planned_partition import PartitionPlanning, partition_from_config
 from .settings import CheckpointingSettings, configure, current_settings, route_deepspeed_checkpoint
-from . import upstream_checkpointing as _upstream_checkpointing
+from . import deepspeed_wrappers as _deepspeed_wrappers
 
 __all__ = [
     "PipelineModule",
@@ -66,4 +66,4 @@ def _warn_outside_the_tested_range() -> None:
 
 
 _warn_outside_the_tested_range()
-_upstream_checkpointing.install()
+_deepspeed_wrappers.install()

@@ -186,7 +186,7 @@ def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool | N
 
 def deepspeed_checkpoint_call(function: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """A call of ``deepspeed.checkpointing.checkpoint(function, *args, **kwargs)``
-    (ds_pipe_ckpt wraps it, see :mod:`ds_pipe_ckpt.upstream_checkpointing`): after
+    (ds_pipe_ckpt wraps it, see :mod:`ds_pipe_ckpt.deepspeed_wrappers`): after
     :func:`ds_pipe_ckpt.route_deepspeed_checkpoint`, ds_pipe_ckpt's checkpoint
     under the settings in force, ``kwargs`` going to ``function`` as DeepSpeed
     passes them; otherwise DeepSpeed's reentrant checkpoint, unchanged."""

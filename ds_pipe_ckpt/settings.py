@@ -20,7 +20,7 @@ and the program disagree the log says once which value is in force.
 
 DeepSpeed's checkpointing module is kept equal to the settings in force (the
 reentrant mode delegates to it); a change made to it behind
-ds_pipe_ckpt's wrappers (:mod:`ds_pipe_ckpt.upstream_checkpointing`) is
+ds_pipe_ckpt's wrappers (:mod:`ds_pipe_ckpt.deepspeed_wrappers`) is
 adopted as a program call on the next use.
 """
 

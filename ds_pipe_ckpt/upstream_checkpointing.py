@@ -1,7 +1,7 @@
 """DeepSpeed's checkpointing module (``deepspeed.checkpointing``) as
-ds_pipe_ckpt sees it: the functions it had before ds_pipe_ckpt was imported,
-a snapshot of the settings it holds, and the three calls that training stacks
-make on it, observed.
+ds_pipe_ckpt sees it: the functions it had before ds_pipe_ckpt was imported
+and a snapshot of the settings it holds. It imports nothing of ds_pipe_ckpt:
+the modules that act on those settings import it.
 
 Training stacks configure checkpointing on DeepSpeed's module, in code:
 GPT-NeoX calls ``deepspeed.checkpointing.configure(mpu, partition_activations=...,
@@ -9,7 +9,8 @@ checkpoint_in_cpu=..., ...)`` and ``deepspeed.checkpointing.reset()`` every step
 Megatron-DeepSpeed ``configure(mpu, deepspeed_config=..., ...)`` and, from its
 own layers, ``deepspeed.checkpointing.checkpoint(...)``. Importing ds_pipe_ckpt
 replaces those three attributes of the module with thin wrappers
-(:func:`install`), which call DeepSpeed's function first and unchanged:
+(:mod:`ds_pipe_ckpt.deepspeed_wrappers`), which call DeepSpeed's function
+first and unchanged:
 
 * ``configure``: then hands the call's values to
   :func:`ds_pipe_ckpt.settings.record_deepspeed_configure`, so that they are
@@ -35,7 +36,7 @@ from typing import Any, Callable, NamedTuple
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
 __all__ = ["ORIGINAL_CONFIGURE", "ORIGINAL_RESET", "ORIGINAL_CHECKPOINT", "UpstreamState", "snapshot", "state_key",
-           "is_deepspeed_checkpoint", "install", "CONFIGURE_CALL"]
+           "is_deepspeed_checkpoint", "mark_wrapper", "is_wrapper", "CONFIGURE_CALL"]
 
 _MARK = "_ds_pipe_ckpt_wraps"
 
@@ -89,44 +90,13 @@ def is_deepspeed_checkpoint(function: Any) -> bool:
     return function is ORIGINAL_CHECKPOINT or getattr(function, _MARK, None) is ORIGINAL_CHECKPOINT
 
 
-def _wrapping(original: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def decorate(wrapper: Callable[..., Any]) -> Callable[..., Any]:
-        wrapper = functools.wraps(original)(wrapper)
-        setattr(wrapper, _MARK, original)
-        return wrapper
-
-    return decorate
+def mark_wrapper(wrapper: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
+    """``wrapper`` named and documented as ``original``, and marked as wrapping it."""
+    wrapper = functools.wraps(original)(wrapper)
+    setattr(wrapper, _MARK, original)
+    return wrapper
 
 
-@_wrapping(ORIGINAL_CONFIGURE)
-def _configure(mpu_=None, deepspeed_config=None, partition_activations=None, contiguous_checkpointing=None,
-               num_checkpoints=None, checkpoint_in_cpu=None, synchronize=None, profile=None):
-    ORIGINAL_CONFIGURE(mpu_, deepspeed_config=deepspeed_config, partition_activations=partition_activations,
-                       contiguous_checkpointing=contiguous_checkpointing, num_checkpoints=num_checkpoints,
-                       checkpoint_in_cpu=checkpoint_in_cpu, synchronize=synchronize, profile=profile)
-    from .settings import record_deepspeed_configure
-
-    record_deepspeed_configure(mpu_, deepspeed_config, partition_activations=partition_activations,
-                               contiguous_checkpointing=contiguous_checkpointing, num_checkpoints=num_checkpoints,
-                               checkpoint_in_cpu=checkpoint_in_cpu, synchronize=synchronize, profile=profile)
-
-
-@_wrapping(ORIGINAL_RESET)
-def _reset():
-    from .placement.runtime import reset  # DeepSpeed's reset, then ds_pipe_ckpt's buffers
-
-    reset()
-
-
-@_wrapping(ORIGINAL_CHECKPOINT)
-def _checkpoint(function, *args, **kwargs):
-    from .checkpoint import deepspeed_checkpoint_call
-
-    return deepspeed_checkpoint_call(function, args, kwargs)
-
-
-def install() -> None:
-    """Put the wrappers on DeepSpeed's module (idempotent)."""
-    for name, wrapper in (("configure", _configure), ("reset", _reset), ("checkpoint", _checkpoint)):
-        if not hasattr(getattr(ds_checkpointing, name), _MARK):
-            setattr(ds_checkpointing, name, wrapper)
+def is_wrapper(function: Any) -> bool:
+    """Whether ``function`` is one of ds_pipe_ckpt's wrappers of DeepSpeed's functions."""
+    return hasattr(function, _MARK)

@@ -31,25 +31,42 @@ itself, so gradients still flow to the inputs.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch.utils.checkpoint import CheckpointError
 
+from ..config import CheckpointingConfig
 from . import kernels
 from .pack import PackLayout, byte_view
+from .pool import BufferPool
+from .profiling import CheckpointProfiler, CheckpointRecord
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .runtime import CheckpointRuntime
-    from .profiling import CheckpointRecord
+__all__ = ["SegmentStash", "StashRuntime"]
 
-__all__ = ["SegmentStash"]
+
+class StashRuntime(Protocol):
+    """What a stash needs of the job's checkpointing runtime
+    (:class:`~ds_pipe_ckpt.placement.runtime.CheckpointRuntime` provides it):
+    the settings, this rank's place in the model-parallel group, the buffer
+    pool and profiler where configured, and the group's collectives."""
+
+    config: CheckpointingConfig
+    rank: int
+    world_size: int
+    partitioned: bool
+    pool: BufferPool | None
+    profiler: CheckpointProfiler | None
+
+    def synchronize_boundary(self) -> None: ...
+
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> None: ...
 
 
 class SegmentStash:
     """One checkpointed segment's saved inputs (see the module docstring)."""
 
-    def __init__(self, runtime: "CheckpointRuntime", record: "CheckpointRecord | None" = None):
+    def __init__(self, runtime: StashRuntime, record: CheckpointRecord | None = None):
         self._runtime = runtime
         self._record = record
         # Before seal(): the tensors torch handed to pack(), deduplicated.
