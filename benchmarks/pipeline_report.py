@@ -10,6 +10,8 @@ import textwrap
 from dataclasses import asdict, dataclass
 from typing import Iterable, Sequence
 
+from ds_pipe_ckpt.planning.stage import PREDICTION_TOLERANCE
+
 __all__ = ["ModeSummary", "TargetCheck", "summarize", "check_targets", "check_budget_targets", "markdown",
            "document", "write_json", "write_png", "write_budget_png", "MIB"]
 
@@ -279,7 +281,6 @@ def document(records: Sequence[dict], machine: dict) -> dict:
 # -- --budget: the planner against the best uniform interval ---------------------------
 
 PLANNED, UNIFORM_BEST = "planned", "uniform_best"
-PREDICTION_TOLERANCE = 0.10
 # The planner's ConfigError when no plan fits (ds_pipe_ckpt.planning.stage).
 _MINIMUM = re.compile(r"expected at least ([0-9.]+) MiB for pipeline stage (\d+)")
 
@@ -353,7 +354,7 @@ def check_budget_targets(rows: Sequence[ModeSummary], unavailable: Sequence[dict
     """Per (pp, budget): every stage planned; no measured planned step (the
     first included) above its stage's budget; the planned step time no slower
     than the best uniform interval that fits; every measured planned step
-    within 10% of its prediction."""
+    within the planner's ``PREDICTION_TOLERANCE`` of its prediction."""
     checks = []
     keys = sorted({(s.pp, s.budget_fraction) for s in rows} | {(r["pp"], r["budget_fraction"]) for r in unavailable})
     for pp, fraction in keys:
@@ -391,7 +392,8 @@ def check_budget_targets(rows: Sequence[ModeSummary], unavailable: Sequence[dict
             checks.append(TargetCheck(pp, f"{tag}: planned step time <= uniform_best's ({uniform.uniform_mode})",
                                       ratio <= 1, f"{ratio:.3f} x"))
         errors = planned.prediction_errors
-        checks.append(TargetCheck(pp, f"{tag}: predicted peak within 10% of every measured planned step",
+        checks.append(TargetCheck(pp, f"{tag}: predicted peak within {PREDICTION_TOLERANCE:.0%} of every measured "
+                                      "planned step",
                                   bool(errors) and all(abs(e) <= PREDICTION_TOLERANCE for e in errors),
                                   _error_range(errors) if errors else "no prediction"))
     return checks

@@ -54,8 +54,8 @@ from .compat import (CHECKPOINT_HOOKS_VISIBLE, STOP_RECOMPUTATION, is_checkpoint
                      top_saved_tensors_hooks)
 from .regions import Region
 
-__all__ = ["SavedTensorProbe", "SavedTensorLearner", "OpTrace", "mismatch", "renamed", "require_tensor_output", "STOP_RECOMPUTATION",
-           "torch_determinism_check"]
+__all__ = ["SavedTensorProbe", "SavedTensorLearner", "OpTrace", "mismatch", "renamed", "require_tensor_output",
+           "STOP_RECOMPUTATION", "torch_determinism_check"]
 
 CAUSES = (
     "Usual causes: an op whose saved tensors depend on torch.is_grad_enabled() or on "

@@ -27,8 +27,8 @@ set; ``ds_pipe_ckpt.initialize`` creates it through
    ``module.train()``, before the stage receives its first activations (or at
    the step's first forward where nothing calls it), and ends with the
    optimizer step (or where the next one starts, where no torch optimizer
-   steps). A prediction off by more than 10%, or a measured peak above the
-   budget, is a :class:`PlanPredictionWarning` naming the stage; the stage
+   steps). A prediction off by more than :data:`PREDICTION_TOLERANCE`, or a
+   measured peak above the budget, is a :class:`PlanPredictionWarning` naming the stage; the stage
    plans again at the next step's start (gradients are freed then, as when it
    first planned) with the difference counted as memory the model does not see
    (in its ``base``), and checks the new plan in that step (at most twice). On
@@ -72,7 +72,7 @@ from .solver import InfeasibleBudgetError, plan_stage
 
 __all__ = ["StagePlanner", "PlannedStage", "PlanPredictionWarning", "KnownBuffer", "PREDICTION_TOLERANCE"]
 
-PREDICTION_TOLERANCE = 0.10
+PREDICTION_TOLERANCE = 0.10  # how far a plan's predicted peak may be from the measured one
 # The measuring step's marks on the last stage: its loss phase runs from the end of
 # the measured micro-batch's forward to that micro-batch's first recomputation.
 FORWARD_ENDS = "ds_pipe_ckpt: forward end"
