@@ -1,5 +1,6 @@
 # Two entry points, both installing everything they need into .venv first:
 #   make test     - the test suite (what CI runs)
+#   make test-fast - the in-process tier, tests/unit (under 3 minutes): run it on every change
 #   make cifar10  - the CIFAR-10 pipeline example on CPU, 8 ranks (pp=2 x mp=2 x dp=2)
 # and more, the same way:
 #   make gpt             - the GPT pipeline example on CPU (pp=2): none, non-reentrant, selective, planned
@@ -16,7 +17,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: install test cifar10 gpt llama benchmark benchmark-pipeline benchmark-partition benchmark-lengths compat
+.PHONY: install test test-fast cifar10 gpt llama benchmark benchmark-pipeline benchmark-partition benchmark-lengths compat
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +31,9 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+test-fast: $(STAMP)
+	$(PY) -m pytest tests/unit
 
 cifar10: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash examples/cifar10/run_cpu.sh

@@ -269,15 +269,19 @@ def resolve_use_reentrant(module: Any, param_dict: Any) -> None:
 DEEPSPEED_REENTRANT_RUNS_ON_CPU = DEEPSPEED_VERSION[:2] >= (0, 19)
 
 
+def deepspeed_reentrant_runs() -> bool:
+    """Whether DeepSpeed's own reentrant checkpoint can run on this DeepSpeed and
+    accelerator: from 0.19 anywhere, before it only on an accelerator with streams."""
+    return DEEPSPEED_REENTRANT_RUNS_ON_CPU or get_accelerator().Stream is not None
+
+
 def require_deepspeed_reentrant() -> None:
     """Raise :class:`~ds_pipe_ckpt.UpstreamLimitError` where DeepSpeed's reentrant
     checkpoint cannot run: before 0.19, on an accelerator without streams (the
     CPU), it fails inside with ``TypeError: 'NoneType' object is not callable``."""
-    if DEEPSPEED_REENTRANT_RUNS_ON_CPU:
+    if deepspeed_reentrant_runs():
         return
     accelerator = get_accelerator()
-    if accelerator.Stream is not None:
-        return
     raise UpstreamLimitError(
         f"DeepSpeed {deepspeed.__version__}'s reentrant checkpoint cannot run on the {accelerator.device_name()} "
         "accelerator: it asks the accelerator for a stream and this one has none (DeepSpeed fixed it in 0.19). "

@@ -75,8 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
     modes = args.modes
     if modes is None:
-        runs_reentrant = compat.DEEPSPEED_REENTRANT_RUNS_ON_CPU or compat.get_accelerator().Stream is not None
-        modes = [m for m in MODES if m != "reentrant" or runs_reentrant]
+        modes = [m for m in MODES if m != "reentrant" or compat.deepspeed_reentrant_runs()]
     results, ok = [], True
     for pp in args.pp:
         reports = run_ranks(parity_of_modes, pp, modes, pp, args.ga, timeout=600)[0]

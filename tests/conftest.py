@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -43,28 +44,24 @@ def model_parallel_tracker():
     tracker.seeds_ = saved[1]
 
 
-# DeepSpeed's own limits on the version installed (ds_pipe_ckpt.compat): a test
-# whose path runs into one is skipped with the limit's message, not failed.
-# Only ds_pipe_ckpt's UpstreamLimitError counts (raised here, in a rank of
-# run_ranks, or in a launched job), and only where the installed DeepSpeed has
-# that limit; any other failure stays a failure.
-UPSTREAM_LIMIT = "UpstreamLimitError: "
+# -- tiers --------------------------------------------------------------------------
+# A test's marker follows its folder (pytest.ini lists them): tests/unit is the
+# in-process tier (`make test-fast`), the others start ranks, train examples or
+# need a GPU.
+FOLDER_MARKERS = {"multirank": ("multirank",), "benchmarks": ("slow",), "cifar10": ("slow",), "gpt": ("slow",),
+                  "llama": ("slow",), "gpu": ("gpu",)}
+TESTS = Path(__file__).resolve().parent
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item, call):
-    report = yield
-    if report.failed and call.excinfo is not None:
-        from ds_pipe_ckpt.errors import UpstreamLimitError
+def pytest_collection_modifyitems(config, items):
+    from ds_pipe_ckpt import compat
 
-        error = call.excinfo.value
-        text = str(error)
-        if isinstance(error, UpstreamLimitError):
-            reason = text
-        elif UPSTREAM_LIMIT in text:
-            reason = text.split(UPSTREAM_LIMIT, 1)[1].splitlines()[0]
-        else:
-            return report
-        report.outcome = "skipped"
-        report.longrepr = (str(item.path), item.location[1], f"DeepSpeed's own limit here: {reason}")
-    return report
+    reentrant_runs = compat.deepspeed_reentrant_runs()
+    for item in items:
+        folder = Path(item.path).resolve().relative_to(TESTS).parts[0]
+        for name in FOLDER_MARKERS.get(folder, ()):
+            item.add_marker(name)
+        # Decided before the test runs, from the installed DeepSpeed and accelerator.
+        if item.get_closest_marker("deepspeed_reentrant") and not reentrant_runs:
+            item.add_marker(pytest.mark.skip(reason=f"DeepSpeed {compat.deepspeed.__version__}'s reentrant "
+                                                    "checkpoint cannot run on this accelerator (it can from 0.19)"))

@@ -16,12 +16,11 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
 import ds_pipe_ckpt
-from ds_pipe_ckpt.compat import MARKS_CHECKPOINT_HOOKS, require_deepspeed_reentrant
+from ds_pipe_ckpt.compat import MARKS_CHECKPOINT_HOOKS
 from ds_pipe_ckpt import ConfigError, InPlaceInputError, RecomputeMismatchError, ReentrantFallbackWarning
 
 MODES = [pytest.param(True, id="reentrant"), pytest.param(False, id="non_reentrant")]
@@ -308,10 +307,10 @@ class CachedWeightNorm(nn.Module):
         return x @ self.cache.t()
 
 
+@pytest.mark.deepspeed_reentrant
 def test_upstream_reentrant_checkpoint_silently_drops_the_cached_parameters_gradient():
     """What users get from DeepSpeed: the cache is built under no_grad in the
     forward, the recomputation reuses it, and v never gets a gradient."""
-    require_deepspeed_reentrant()  # upstream's own limit on this DeepSpeed and device: skipped
     module = CachedWeightNorm()
     x = torch.randn(2, 4, requires_grad=True)
     ds_checkpointing.checkpoint(module, x).sum().backward()

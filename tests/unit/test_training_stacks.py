@@ -16,7 +16,7 @@ import torch.nn as nn
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
 import ds_pipe_ckpt
-from ds_pipe_ckpt import LayerSpec, PipelineModule, compat, upstream_checkpointing
+from ds_pipe_ckpt import LayerSpec, PipelineModule, upstream_checkpointing
 from ds_pipe_ckpt.errors import ConfigError
 
 SECTION_KEYS = ("partition_activations", "cpu_checkpointing", "synchronize_checkpoint_boundary", "profile",
@@ -177,9 +177,8 @@ def test_routed_deepspeed_checkpoint_calls_run_ds_pipe_ckpts(single_rank_process
     assert not ds_pipe_ckpt.current_settings().routes_deepspeed_checkpoint
 
 
+@pytest.mark.deepspeed_reentrant
 def test_unrouted_calls_stay_upstreams_and_the_log_says_so_once(single_rank_process_group, caplog):
-    if not compat.DEEPSPEED_REENTRANT_RUNS_ON_CPU and compat.get_accelerator().Stream is None:
-        pytest.skip("this DeepSpeed's reentrant checkpoint cannot run on the CPU")
     ds_pipe_ckpt.configure(use_reentrant=False)
     with caplog.at_level(logging.WARNING, logger="ds_pipe_ckpt"):
         upstreams = _layer_gradients(lambda layer, x: layer(x))

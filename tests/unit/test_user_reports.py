@@ -11,7 +11,6 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_check
 
 import ds_pipe_ckpt
 from ds_pipe_ckpt import RecomputeMismatchError, ReentrantFallbackWarning
-from ds_pipe_ckpt.compat import require_deepspeed_reentrant
 
 
 # -- seed 000: Lightning user, checkpoint() on a batch that does not require grad ------------
@@ -31,9 +30,9 @@ def _train_seed_000(checkpoint_fn, steps=5):
     return before, [p.detach().clone() for p in model.parameters()]
 
 
+@pytest.mark.deepspeed_reentrant
 def test_seed_000_upstream_reentrant_output_has_no_grad_fn():
     """What the user hit: DeepSpeed's (reentrant) checkpoint drops the graph."""
-    require_deepspeed_reentrant()  # upstream's own limit on this DeepSpeed and device: skipped
     res = deepspeed.checkpointing.checkpoint(nn.Linear(1, 1), torch.rand(4, 1))
     assert res.grad_fn is None and not res.requires_grad
     with pytest.raises(RuntimeError, match="does not require grad and does not have a grad_fn"):

@@ -43,7 +43,7 @@ PP2 = {
     # upstream's own engine, for the check's power: its fp32 clip sees stage 0's norm only
     "deepspeed_initialize_clip_ga4": {"ga": 4, "clip": CLIP, "init": "deepspeed"},
 }
-if compat.DEEPSPEED_REENTRANT_RUNS_ON_CPU:  # decided before the run: DeepSpeed < 0.19 cannot on a CPU
+if compat.deepspeed_reentrant_runs():  # decided before the run: DeepSpeed < 0.19 cannot on a CPU
     PP2["reentrant_ga4"] = {"ga": 4, "interval": 1, "use_reentrant": True}
     PP2["reentrant_tied_ga2"] = {"ga": 2, "interval": 1, "use_reentrant": True, "model": "tied"}
 

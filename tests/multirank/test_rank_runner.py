@@ -1,0 +1,50 @@
+"""The rank runner every multi-process test and benchmark uses: results come
+back in rank order, and a failing or hanging rank is named instead of
+leaving the caller waiting."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ds_pipe_ckpt.testing import RankFailure, run_ranks
+
+
+def rank_and_sum() -> tuple[int, torch.Tensor]:
+    value = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(value)
+    return dist.get_rank(), value
+
+
+def fail_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("deliberate failure on rank 1")
+    dist.barrier()  # rank 0 would wait here forever without the runner's report
+
+
+def sleep_on_rank_zero() -> None:
+    dist.barrier()  # both ranks are up: rank 1 reports at once, however slow the start-up was
+    if dist.get_rank() == 0:
+        time.sleep(300)
+
+
+def test_results_come_back_in_rank_order_with_tensors():
+    results = run_ranks(rank_and_sum, 2, timeout=120)
+    assert [rank for rank, _ in results] == [0, 1]
+    assert all(torch.equal(total, torch.tensor([3.0])) for _, total in results)
+
+
+def test_a_rank_that_raises_is_named_with_its_traceback():
+    with pytest.raises(RankFailure, match=r"(?s)^fail_on_rank_one: rank 1 of 2 raised:.*ValueError: deliberate failure on rank 1"):
+        run_ranks(fail_on_rank_one, 2, timeout=120)
+
+
+def test_a_rank_that_hangs_is_named_after_the_timeout():
+    """The timeout counts from the spawn: it must cover the ranks' start-up
+    (importing torch and DeepSpeed, the rendezvous), which took over 25 s on a
+    loaded 2-core CI machine."""
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"timed out after 60 s; rank\(s\) \[0\] did not finish"):
+        run_ranks(sleep_on_rank_zero, 2, timeout=60)
+    assert time.monotonic() - start < 120  # the hanging rank is killed, not waited for
