@@ -30,8 +30,8 @@ small regions: docs/performance.md):
 * ``activation_checkpointing.verify_recompute`` (or ``verify=True``): every op
   (also those that save nothing) is recorded with its output shapes, dtypes
   and devices by a ``TorchDispatchMode`` and the recomputation is compared op
-  by op (:class:`OpTrace`). A Python call per op; the recomputation then runs
-  to the end.
+  by op (:class:`~ds_pipe_ckpt.op_trace.OpTrace`). A Python call per op; the
+  recomputation then runs to the end.
 
 Neither compares values: an op that returns different numbers with the same
 shapes on recomputation (randomness outside torch's and DeepSpeed's
@@ -40,13 +40,11 @@ generators) cannot be seen without keeping what checkpointing exists to free.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .errors import InPlaceInputError, RecomputeMismatchError
@@ -54,7 +52,7 @@ from .compat import (CHECKPOINT_HOOKS_VISIBLE, STOP_RECOMPUTATION, is_checkpoint
                      top_saved_tensors_hooks)
 from .regions import Region
 
-__all__ = ["SavedTensorProbe", "SavedTensorLearner", "OpTrace", "mismatch", "renamed", "require_tensor_output",
+__all__ = ["SavedTensorProbe", "mismatch", "renamed", "require_tensor_output",
            "STOP_RECOMPUTATION", "torch_determinism_check"]
 
 CAUSES = (
@@ -321,130 +319,6 @@ class SavedTensorProbe:
                        f"path); the first extra one: #{i}, {_describe_saved(recomputed[i])}.")
         error = mismatch(self.region, problem)
         raise error from cause
-
-
-def _storage(tensor: torch.Tensor) -> int | None:
-    """The address of the memory ``tensor`` views, or None where it has none to
-    compare (a tensor subclass without storage)."""
-    try:
-        return tensor.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
-
-
-class SavedTensorLearner(SavedTensorProbe):
-    """The probe of a region's first checkpointed call: as
-    :class:`SavedTensorProbe`, and it learns whether the forward saves anything
-    for backward beyond its inputs and its modules' parameters and buffers
-    (``RegionFacts.saves_only_inputs``).
-
-    A saved tensor counts as an input or a parameter when it is one (by
-    identity, or a leaf that requires grad), is a view of one, or uses the
-    same memory as one of them or of the region's modules' buffers:
-    ``F.linear`` on a ``[B, T, d]`` input saves a reshaped view of it and of
-    the weight's transpose. Whatever else it saves (an activation, a dropout
-    mask, a norm's statistics) is memory that checkpointing frees.
-    """
-
-    __slots__ = ("_other",)
-
-    def __init__(self, region: Region, *, compare: bool = True):
-        super().__init__(region, compare=compare)
-        self._other: list | None = None  # while the forward runs: the saved tensors not known as inputs
-
-    def __call__(self, tensor: torch.Tensor) -> Any:
-        other = self._other  # None in a recomputation
-        if other is not None and not self._known(tensor):
-            base = tensor._base  # a view: of an input or a parameter, it holds no memory of its own
-            if base is None or not self._known(base):
-                other.append(_storage(tensor))
-        return super().__call__(tensor)
-
-    def _known(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` is an input of the region or a leaf that requires grad (a parameter)."""
-        return id(tensor) in self._input_ids or (tensor.grad_fn is None and tensor.requires_grad)
-
-    def learn_forward(self, run: Callable[..., Any], args: tuple, modules: Any) -> Any:
-        """:meth:`run_forward`, recording what it saves even where this call's
-        recomputation is not compared, then noting on the region's facts whether
-        it saved only ``args`` and ``modules``' parameters and buffers
-        (``modules``: a callable that returns them, called only when needed)."""
-        compare, self.compare, self._other = self.compare, True, []
-        try:
-            out = self.run_forward(run, args)
-        finally:
-            self.compare, other, self._other = compare, self._other, None
-        if self.forward_saved is None:  # not under torch's checkpoint hooks: nothing seen
-            return out
-        if not compare:
-            self.forward_saved = None
-        if other:
-            known = {_storage(t) for t in args if isinstance(t, torch.Tensor)}
-            for module in modules():
-                known.update(_storage(t) for t in module.parameters())
-                known.update(_storage(t) for t in module.buffers())
-            known.discard(None)
-            self.region.facts.saves_only_inputs = all(address in known for address in other)
-        else:
-            self.region.facts.saves_only_inputs = True
-        return out
-
-
-# -- verify_recompute: op by op ----------------------------------------------------------
-
-def _tensor_meta(out: Any) -> tuple:
-    return tuple((tuple(t.shape), t.dtype, t.device) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
-
-
-def _describe_op(op: tuple | None) -> str:
-    if op is None:
-        return "nothing"
-    name, meta = op
-    outputs = ", ".join(f"{list(shape)} {str(dtype).replace('torch.', '')} on {device}"
-                        for shape, dtype, device in meta) or "no tensor"
-    return f"{name} -> {outputs}"
-
-
-# torch's checkpoint detaches tensors it saves during recomputation (not during
-# the forward); those detaches are its own, not the region's.
-_IGNORED_OPS = frozenset({torch.ops.aten.detach.default})
-
-
-class OpTrace(TorchDispatchMode):
-    """Records a forward's op sequence, then checks a recomputation against it."""
-
-    def __init__(self, region: Region):
-        super().__init__()
-        self.region = region
-        self.recorded: list[tuple] = []
-        self.position: int | None = None  # None while recording
-
-    @contextlib.contextmanager
-    def replaying(self) -> Iterator[None]:
-        self.position = 0
-        with self:
-            yield
-        if self.position < len(self.recorded):
-            raise mismatch(self.region, (
-                f"it ran {self.position} ops where the forward ran {len(self.recorded)} (a shorter path); "
-                f"first op not reproduced: #{self.position} {_describe_op(self.recorded[self.position])}."))
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in _IGNORED_OPS:
-            return out
-        op = (str(func), _tensor_meta(out))
-        if self.position is None:
-            self.recorded.append(op)
-            return out
-        expected = self.recorded[self.position] if self.position < len(self.recorded) else None
-        if op != expected:
-            extra = " (a longer path)" if expected is None else ""
-            raise mismatch(self.region, (
-                f"op #{self.position} differs{extra}: forward ran {_describe_op(expected)}, "
-                f"recomputation ran {_describe_op(op)}."))
-        self.position += 1
-        return out
 
 
 def require_tensor_output(out: Any, region: Region) -> None:

@@ -25,9 +25,10 @@ import torch
 from .inputs import unexpected_modification
 from .module_state import KeptBuffers, keep_buffers
 from .placement.runtime import RegionPlacement
-from .recompute import (STOP_RECOMPUTATION, OpTrace, SavedTensorLearner, SavedTensorProbe, renamed,
-                        require_tensor_output)
+from .op_trace import OpTrace
+from .recompute import STOP_RECOMPUTATION, SavedTensorProbe, renamed, require_tensor_output
 from .regions import Region, modules_of
+from .segment_choice import SavedTensorLearner
 
 __all__ = ["RegionCall"]
 
