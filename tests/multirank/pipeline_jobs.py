@@ -7,9 +7,34 @@ import deepspeed
 import torch
 import torch.nn as nn
 
+import pytest
+
 import ds_pipe_ckpt
 from ds_pipe_ckpt import LayerSpec, PipelineModule, TiedLayerSpec
-from ds_pipe_ckpt.compat import engine_inputs_require_grad
+from ds_pipe_ckpt.compat import deepspeed_reentrant_runs, engine_inputs_require_grad
+
+
+def uses_deepspeed_reentrant(case: dict) -> bool:
+    """Whether a case checkpoints through DeepSpeed's reentrant checkpoint: it
+    checkpoints (an interval from the module, the JSON or set later) and does
+    not choose ``use_reentrant: false`` (reentrant is DeepSpeed's default)."""
+    interval = case.get("interval") or case.get("config_interval") or case.get("set_interval_later")
+    return bool(interval) and case.get("use_reentrant") is not False
+
+
+def runnable_cases(cases: dict) -> dict:
+    """``cases`` less those DeepSpeed cannot run here (its reentrant checkpoint
+    on a CPU before 0.19), decided before any rank starts."""
+    if deepspeed_reentrant_runs():
+        return dict(cases)
+    return {name: case for name, case in cases.items() if not uses_deepspeed_reentrant(case)}
+
+
+def case_params(cases: dict, names) -> list:
+    """``names`` as pytest parameters, those of cases DeepSpeed's reentrant
+    checkpoint runs marked ``deepspeed_reentrant`` (skipped where it cannot run)."""
+    return [pytest.param(name, marks=pytest.mark.deepspeed_reentrant) if uses_deepspeed_reentrant(cases[name])
+            else name for name in names]
 
 
 class CountingReLU(nn.Module):

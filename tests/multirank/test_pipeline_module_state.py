@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import pipeline_jobs
+from pipeline_jobs import case_params, runnable_cases
 from ds_pipe_ckpt.testing import run_ranks
 
 STEPS = 6
@@ -37,10 +38,10 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def runs():
-    return run_ranks(pipeline_jobs.train_cases, 2, CASES, 2, STEPS, timeout=600)
+    return run_ranks(pipeline_jobs.train_cases, 2, runnable_cases(CASES), 2, STEPS, timeout=600)
 
 
-@pytest.mark.parametrize("name", [n for n in CASES if n != "none"])
+@pytest.mark.parametrize("name", case_params(CASES, [n for n in CASES if n != "none"]))
 def test_module_state_equals_training_without_checkpointing(runs, name):
     for rank, result in enumerate(runs):
         ref, got = result["none"], result[name]
@@ -55,7 +56,7 @@ def test_module_state_equals_training_without_checkpointing(runs, name):
 def test_every_forward_counted_once(runs):
     micro_batches = runs[0]["none"]["micro_batches"]
     for result in runs:
-        for name in CASES:
+        for name in result:  # the cases DeepSpeed can run here
             counts = {b: v.item() for b, v in result[name]["buffers"].items() if b.endswith("num_batches_tracked")}
             assert counts and set(counts.values()) == {micro_batches}, (name, counts)
 

@@ -15,8 +15,7 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_check
 
 import ds_pipe_ckpt
 from ds_pipe_ckpt import ReentrantFallbackWarning
-
-MODES = [pytest.param(True, id="reentrant"), pytest.param(False, id="non_reentrant")]
+from checkpoint_modes import MODES
 
 
 def _grads(module, inputs):
@@ -151,6 +150,7 @@ def test_fallback_warning_is_issued_once():
     assert sum(issubclass(w.category, ReentrantFallbackWarning) for w in caught) == 1
 
 
+@pytest.mark.deepspeed_reentrant
 def test_reentrant_mode_is_deepspeeds_checkpoint_after_the_first_call():
     """With an input requiring grad the reentrant mode is DeepSpeed's own function,
     from the region's second call on (the first runs non-reentrantly, same math)."""
@@ -228,7 +228,7 @@ def test_recomputation_leaves_rng_streams_where_the_forward_left_them(model_para
     assert torch.equal(model_parallel_tracker.get_states()["model-parallel-rng"], after_forward[1])
 
 
-@pytest.mark.parametrize("use_reentrant", [True, False])
+@pytest.mark.parametrize("use_reentrant", [pytest.param(True, marks=pytest.mark.deepspeed_reentrant), False])
 def test_none_follows_configured_mode(use_reentrant):
     ds_pipe_ckpt.configure(use_reentrant=use_reentrant)
     lin = nn.Linear(2, 2)
@@ -265,7 +265,7 @@ def test_inputs_are_freed_with_the_graph_not_by_the_garbage_collector(settings):
         gc.enable()
 
 
-@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("use_reentrant", [False, pytest.param(True, marks=pytest.mark.deepspeed_reentrant)])
 def test_input_gradient_keeps_its_layout_so_earlier_reductions_are_bitwise(use_reentrant):
     """A strided gradient reaching a checkpointed region (a later ``transpose``,
     as GPT-NeoX's ``[s, b, h] -> [b, s, h]`` after its last layer) leaves it with

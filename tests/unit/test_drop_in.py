@@ -22,8 +22,7 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_check
 import ds_pipe_ckpt
 from ds_pipe_ckpt.compat import MARKS_CHECKPOINT_HOOKS
 from ds_pipe_ckpt import ConfigError, InPlaceInputError, RecomputeMismatchError, ReentrantFallbackWarning
-
-MODES = [pytest.param(True, id="reentrant"), pytest.param(False, id="non_reentrant")]
+from checkpoint_modes import MODES
 
 
 def _grads(module, *inputs):
@@ -188,6 +187,7 @@ def test_input_modified_after_the_forward_is_named_not_silently_wrong(use_reentr
         out.sum().backward()
 
 
+@pytest.mark.deepspeed_reentrant
 def test_reentrant_mode_still_refuses_a_region_whose_forward_modifies_inputs_unexpectedly():
     """A region whose first call left its input alone goes through DeepSpeed's
     path later; if it then modifies its input, that is refused at once."""
@@ -206,6 +206,7 @@ def test_reentrant_mode_still_refuses_a_region_whose_forward_modifies_inputs_une
         ds_pipe_ckpt.checkpoint(fn, make(), use_reentrant=True)
 
 
+@pytest.mark.deepspeed_reentrant
 def test_reentrant_mode_evaluates_an_in_place_region_without_grad():
     """Evaluation (grad disabled) recomputes nothing, so a region that modifies its
     input in place (a stage that begins with ReLU(inplace=True)) runs as it would
@@ -271,6 +272,7 @@ def test_structured_outputs_keep_their_structure_and_every_gradient(shape, use_r
             assert a is not None and torch.equal(a, b), f"gradient {i} differs or is missing"
 
 
+@pytest.mark.deepspeed_reentrant
 def test_reentrant_refuses_an_output_it_cannot_see_into():
     class Holder:
         def __init__(self, tensor):
@@ -394,6 +396,7 @@ def test_torch_keywords_have_torchs_meaning_in_non_reentrant_mode(keywords):
     assert same_as_no_checkpointing == ("preserve_rng_state" not in keywords)
 
 
+@pytest.mark.deepspeed_reentrant
 def test_torch_keywords_never_reach_the_function():
     seen = {}
 

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 
 import ds_pipe_ckpt
+from checkpoint_modes import MODES
 
-MODES = [pytest.param(True, id="reentrant"), pytest.param(False, id="non_reentrant")]
 STEPS = 4
 
 

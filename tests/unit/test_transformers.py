@@ -17,6 +17,7 @@ from transformers import modeling_utils
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 import ds_pipe_ckpt
+from checkpoint_modes import MODES
 
 VOCAB, SEQ, BATCH = 96, 12, 3
 
@@ -74,7 +75,7 @@ def ours_in_transformers(monkeypatch):
 
 
 @pytest.mark.parametrize("kwargs", [
-    {"use_reentrant": True},
+    pytest.param({"use_reentrant": True}, marks=pytest.mark.deepspeed_reentrant),
     {"use_reentrant": False},
     {"use_reentrant": False, "preserve_rng_state": True, "early_stop": True, "determinism_check": "default"},
 ], ids=["reentrant", "non_reentrant", "non_reentrant_torch_keywords"])
@@ -92,7 +93,7 @@ def test_loss_and_every_gradient_equal_no_checkpointing(ours_in_transformers, na
             assert torch.equal(grad, grads_b[parameter]), f"step {step}: {parameter} differs"
 
 
-@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("use_reentrant", MODES)
 def test_gpt2_with_attention_dropout_matches_torchs_checkpoint(monkeypatch, use_reentrant):
     """Where torch's own checkpoint does not reproduce training without checkpointing
     bit for bit, ours reproduces torch's checkpoint bit for bit."""
