@@ -17,7 +17,7 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_check
 from .checkpoint import checkpoint_region
 from . import compat
 from .compat import require_checkpoint_hooks
-from .config import LENGTH_BUCKETS, validate_interval
+from .config import LENGTH_BUCKETS, check_module_against_config, validate_interval
 from .errors import ConfigError
 from .regions import Region, RegionFacts, describe_callable, modules_of
 from .placement.runtime import inputs_are_placed
@@ -362,23 +362,12 @@ class PipelineModule(_DSPipelineModule):
         if (budget_bytes is None) == (max_memory_bytes is None):
             raise ValueError("enable_planning: give budget_bytes or max_memory_bytes, one of them")
         require_checkpoint_hooks(key, value)
-        if self.checkpoint_mode != NON_REENTRANT:
-            raise ConfigError(key, value, "null unless pipeline.use_reentrant is false",
-                              "The planner checkpoints with torch's non-reentrant checkpoint (and selectively).")
-        if self.activation_checkpoint_interval != 0:
-            raise ConfigError("pipeline.activation_checkpoint_interval", self.activation_checkpoint_interval,
-                              f"0 when {key} is set",
-                              "The planner chooses which layers to checkpoint and where segments begin; set "
-                              f"the interval to 0 (or drop {key.split('.')[1]} to checkpoint uniformly).")
-        if self.dynamic_shape and max_sequence_length is None:
-            raise ConfigError("activation_checkpointing.max_sequence_length", None,
-                              f"the longest micro-batch when {key} is set and dynamic_shape=True",
-                              "The budget must hold for every micro-batch length up to it.")
+        check_module_against_config(key, value, interval=self.activation_checkpoint_interval,
+                                    dynamic_shape=self.dynamic_shape,
+                                    use_reentrant=self.checkpoint_mode != NON_REENTRANT,
+                                    max_sequence_length=max_sequence_length)
         lengths = None
         if max_sequence_length is not None:
-            if not self.dynamic_shape:
-                raise ConfigError("activation_checkpointing.max_sequence_length", max_sequence_length,
-                                  "null unless the PipelineModule is built with dynamic_shape=True")
             lengths = SequenceLengths(max_sequence_length, sequence_dim, length_buckets)
         self.__dict__["_planner"] = StagePlanner(self, budget_bytes=budget_bytes, micro_batches=micro_batches,
                                                  known_buffers=tuple(known_buffers),
