@@ -45,6 +45,7 @@ from .errors import ConfigError
 
 __all__ = [
     "CheckpointingConfig",
+    "check_module_against_config",
     "load_ds_config",
     "pipeline_interval",
     "validate_interval",
@@ -84,6 +85,8 @@ SEQUENCE_DIM_ALLOWED = ("an integer >= 0: the dimension of a stage's tensors tha
                         "(1 for [batch, sequence, ...], 0 for [sequence, batch, ...])")
 LENGTH_BUCKETS_ALLOWED = ("a positive integer: how many length ranges up to max_sequence_length are planned "
                           "apart (1: one plan, made for the longest)")
+
+NUMBER_CHECKPOINTS_ALLOWED = "a positive integer when contiguous_memory_optimization is true"
 
 
 def require_int(key: str, value: Any, minimum: int, allowed: str) -> int:
@@ -162,7 +165,7 @@ class CheckpointingConfig:
                                   "set pipeline.use_reentrant to false to use it.")
         if self.contiguous_memory_optimization and n is None:
             raise ConfigError(key_of["number_checkpoints"], None,
-                              "a positive integer when contiguous_memory_optimization is true",
+                              NUMBER_CHECKPOINTS_ALLOWED,
                               "Set it to the number of checkpointed segments per micro-batch "
                               "(the buffers are sized from it).",
                               upstream="Must specify the number of layers with contiguous memory checkpointing")
@@ -217,9 +220,7 @@ class CheckpointingConfig:
             return
         key = self.budget_key
         budget = self.max_memory_mb if self.max_memory_mb is not None else self.memory_budget_mb
-        if self.use_reentrant:
-            raise ConfigError(key, budget, "null unless pipeline.use_reentrant is false",
-                              "The planner checkpoints with torch's non-reentrant checkpoint (and selectively).")
+        _check_budget_mode(key, budget, self.use_reentrant)
         if self.policy == "selective":
             raise ConfigError(key_of["policy"], self.policy, f"\"full\" (the default) with {key.split('.')[1]}",
                               "With a budget the planner chooses, per segment, full or selective checkpointing "
@@ -303,6 +304,47 @@ class CheckpointingConfig:
             if value is not None:
                 changes[OVERRIDE_KEYS[key]] = value
         return changes
+
+
+def _check_budget_mode(key: str, budget: Any, use_reentrant: bool) -> None:
+    if use_reentrant:
+        raise ConfigError(key, budget, "null unless pipeline.use_reentrant is false",
+                          "The planner checkpoints with torch's non-reentrant checkpoint (and selectively).")
+
+
+def check_module_against_config(key: str, budget: Any, *, interval: int | None, dynamic_shape: bool,
+                                use_reentrant: bool, max_sequence_length: int | None) -> None:
+    """The rules between a pipeline module's own arguments and a memory budget.
+
+    Args:
+        key: the budget's key (``CheckpointingConfig.budget_key``), for messages.
+        budget: the budget's value as configured, for messages.
+        interval: the activation checkpoint interval in force (None: not set).
+        dynamic_shape: whether the module is built with ``dynamic_shape=True``.
+        use_reentrant: whether the module checkpoints in the reentrant mode.
+        max_sequence_length: ``activation_checkpointing.max_sequence_length``.
+
+    Raises:
+        ConfigError: the reentrant mode, a nonzero interval, ``dynamic_shape``
+            without ``max_sequence_length`` or ``max_sequence_length`` without it.
+    """
+    _check_budget_mode(key, budget, use_reentrant)
+    if interval:
+        raise ConfigError(f"{PIPELINE}.activation_checkpoint_interval", interval,
+                          f"0 when {key} is set",
+                          "The planner chooses which layers to checkpoint and where segments begin; set the "
+                          f"interval to 0 (or drop {key.split('.')[1]} to checkpoint uniformly).")
+    if dynamic_shape and max_sequence_length is None:
+        raise ConfigError(f"{SECTION}.max_sequence_length", None,
+                          f"the longest micro-batch (tokens) when {key} is set and the PipelineModule has "
+                          "dynamic_shape=True",
+                          "Micro-batches of variable length need the longest the data can give, so that the budget "
+                          "holds for every one of them; set sequence_dim too if the sequence is not dimension 1 "
+                          "of the tensors a stage receives.")
+    if not dynamic_shape and max_sequence_length is not None:
+        raise ConfigError(f"{SECTION}.max_sequence_length", max_sequence_length,
+                          "null unless the PipelineModule is built with dynamic_shape=True",
+                          "Without dynamic_shape DeepSpeed's engine sends one shape for every micro-batch.")
 
 
 def _section(param_dict: Mapping[str, Any], name: str) -> Mapping[str, Any]:

@@ -14,7 +14,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from . import clipping
 from .compat import correct_gradient_accumulation, resolve_use_reentrant
-from .config import CheckpointingConfig, load_ds_config, pipeline_interval
+from .config import CheckpointingConfig, check_module_against_config, load_ds_config, pipeline_interval
 from .errors import ConfigError
 from .settings import configure_job
 
@@ -191,25 +191,12 @@ def _check_partition(model: Any, param_dict: dict) -> None:
 def _check_plannable(model: Any, param_dict: dict, key: str) -> None:
     from .pipe import PipelineModule  # the module imports this package's core
 
-    interval = pipeline_interval(param_dict)
-    if interval:
-        raise ConfigError("pipeline.activation_checkpoint_interval", interval,
-                          f"0 when {key} is set",
-                          "The planner chooses which layers to checkpoint and where segments begin; set the "
-                          f"interval to 0 (or drop {key.split('.')[1]} to checkpoint uniformly).")
     if not isinstance(model, PipelineModule):
         raise ConfigError(key, param_dict["activation_checkpointing"][key.split(".")[1]],
                           "null unless the model is a ds_pipe_ckpt.PipelineModule",
                           "The planner chooses what each pipeline stage checkpoints.")
-    length = param_dict["activation_checkpointing"].get("max_sequence_length")
-    if model.dynamic_shape and length is None:
-        raise ConfigError("activation_checkpointing.max_sequence_length", None,
-                          f"the longest micro-batch (tokens) when {key} is set and the PipelineModule has "
-                          "dynamic_shape=True",
-                          "Micro-batches of variable length need the longest the data can give, so that the budget "
-                          "holds for every one of them; set sequence_dim too if the sequence is not dimension 1 "
-                          "of the tensors a stage receives.")
-    if not model.dynamic_shape and length is not None:
-        raise ConfigError("activation_checkpointing.max_sequence_length", length,
-                          "null unless the PipelineModule is built with dynamic_shape=True",
-                          "Without dynamic_shape DeepSpeed's engine sends one shape for every micro-batch.")
+    section = param_dict["activation_checkpointing"]
+    # CheckpointingConfig.from_ds_config has refused a budget with the reentrant mode.
+    check_module_against_config(key, section[key.split(".")[1]], interval=pipeline_interval(param_dict),
+                                dynamic_shape=model.dynamic_shape, use_reentrant=False,
+                                max_sequence_length=section.get("max_sequence_length"))

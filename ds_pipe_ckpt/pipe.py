@@ -3,7 +3,6 @@ checkpointing on torch's non-reentrant checkpoint."""
 
 from __future__ import annotations
 
-import logging
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -16,17 +15,16 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_check
 
 from .checkpoint import checkpoint_region
 from . import compat
-from .compat import require_checkpoint_hooks
 from .config import LENGTH_BUCKETS, validate_interval
 from .errors import ConfigError
+from .module_arguments import check_module_arguments, require_checkpoint_func
 from .regions import Region, RegionFacts, describe_callable, modules_of
-from .placement.runtime import inputs_are_placed
+from .segment_choice import frees_nothing, segment_choices
+from .stage_planning import enable_planning
 from .settings import current_settings, note_job_use_reentrant
 from .upstream_checkpointing import ORIGINAL_CHECKPOINT, is_deepspeed_checkpoint
 
 __all__ = ["PipelineModule", "LayerSpec", "TiedLayerSpec", "REENTRANT", "NON_REENTRANT", "CUSTOM"]
-
-logger = logging.getLogger("ds_pipe_ckpt")
 
 REENTRANT = "reentrant"
 NON_REENTRANT = "non_reentrant"
@@ -54,12 +52,6 @@ class TiedLayerSpec(_DSTiedLayerSpec, LayerSpec):
 
     Same class contract as ``deepspeed.pipe.TiedLayerSpec`` (it is a subclass).
     """
-
-
-def _require_checkpoint_func(func: Any) -> Callable[..., Any]:
-    if not callable(func):
-        raise ConfigError("activation_checkpoint_func", func, "a callable func(function, *args)")
-    return func
 
 
 def _layer_name(layer: Any) -> str:
@@ -139,25 +131,14 @@ class PipelineModule(_DSPipelineModule):
                  checkpointable_layers: Sequence[str] | None = None,
                  dynamic_shape: bool = False,
                  partition_planning: Any = None):
-        validate_interval("activation_checkpoint_interval", activation_checkpoint_interval)
-        if isinstance(partition_method, str) and partition_method.lower() == "planned" and partition_planning is None:
-            raise ConfigError("partition_method", partition_method,
-                              "a DeepSpeed method, or \"planned\" with partition_planning=PartitionPlanning(...)",
-                              "The planned cut needs the stages' budgets, the micro-batches per step and a "
-                              "sample micro-batch (ds_pipe_ckpt.planning.planned_partition.PartitionPlanning).")
+        checkpointable_layers = check_module_arguments(activation_checkpoint_interval, partition_method,
+                                                       partition_planning, activation_checkpoint_func,
+                                                       checkpointable_layers)
         # Read by _partition_layers, which DeepSpeed's __init__ calls.
         self.__dict__["_partition_planning"] = partition_planning
         self.__dict__["partition_plan"] = None
         self.__dict__["partition_profile_source"] = None
         self.__dict__["partition_method"] = partition_method  # checked against the JSON config's
-        _require_checkpoint_func(activation_checkpoint_func)
-        if checkpointable_layers is not None:
-            if isinstance(checkpointable_layers, str) or not all(
-                    isinstance(name, str) for name in checkpointable_layers):
-                raise ConfigError("checkpointable_layers", checkpointable_layers,
-                                  "a list of layer class names (strings) or None",
-                                  upstream="param `checkpointable_layers` must be type of list.")
-            checkpointable_layers = list(checkpointable_layers)
         super().__init__(layers,
                          num_stages=num_stages,
                          topology=topology,
@@ -212,7 +193,7 @@ class PipelineModule(_DSPipelineModule):
 
     @activation_checkpoint_func.setter
     def activation_checkpoint_func(self, func: Callable[..., Any]) -> None:
-        self.__dict__["_activation_checkpoint_func"] = _require_checkpoint_func(func)
+        self.__dict__["_activation_checkpoint_func"] = require_checkpoint_func(func)
         # Which segments are checkpointed depends on the mode: recompute the cache.
         self.__dict__["is_checkpointable_results_interval"] = None
         if func is ds_checkpointing.non_reentrant_checkpoint:
@@ -332,57 +313,11 @@ class PipelineModule(_DSPipelineModule):
                         sequence_dim: int = 1, length_buckets: int = LENGTH_BUCKETS) -> None:
         """Choose per layer what to checkpoint under a per-stage memory budget
         (``activation_checkpointing.memory_budget_mb`` or ``max_memory_mb``;
-        ``ds_pipe_ckpt.initialize`` calls this). See :mod:`ds_pipe_ckpt.planning`.
-
-        Args:
-            budget_bytes: this stage's budget: peak bytes above what is
-                allocated when a training step begins (None with ``max_memory_bytes``).
-            micro_batches: micro-batches per step (the engine's gradient
-                accumulation steps), which with the stage's position gives the
-                micro-batches in flight under DeepSpeed's 1F1B schedule.
-            known_buffers: :class:`~ds_pipe_ckpt.planning.stage.KnownBuffer` s the
-                engine allocates in every step (``ds_pipe_ckpt.initialize`` names
-                ZeRO's reduce bucket), named when the budget's floor is reported.
-            max_memory_bytes: instead of ``budget_bytes``, the peak the stage's
-                device may hold in all (parameters, gradients, optimizer state,
-                ZeRO's buffers, activations), or ``"auto"`` (CUDA: the device's
-                capacity less 10%); the budget is that less what is allocated
-                when the measuring step begins.
-            max_sequence_length: with ``dynamic_shape=True`` (required then),
-                the longest micro-batch along ``sequence_dim`` of the stage's
-                tensors: every length up to it is planned, so that any mix in
-                flight keeps the budget (:mod:`ds_pipe_ckpt.planning.shapes`), in
-                ``length_buckets`` ranges (1: one plan, for the longest).
-        """
-        from .planning.shapes import SequenceLengths  # the planner is optional machinery
-        from .planning.stage import StagePlanner
-
-        key = "activation_checkpointing." + ("max_memory_mb" if budget_bytes is None else "memory_budget_mb")
-        value = budget_bytes / 2**20 if budget_bytes is not None else max_memory_bytes
-        if (budget_bytes is None) == (max_memory_bytes is None):
-            raise ValueError("enable_planning: give budget_bytes or max_memory_bytes, one of them")
-        require_checkpoint_hooks(key, value)
-        if self.checkpoint_mode != NON_REENTRANT:
-            raise ConfigError(key, value, "null unless pipeline.use_reentrant is false",
-                              "The planner checkpoints with torch's non-reentrant checkpoint (and selectively).")
-        if self.activation_checkpoint_interval != 0:
-            raise ConfigError("pipeline.activation_checkpoint_interval", self.activation_checkpoint_interval,
-                              f"0 when {key} is set",
-                              "The planner chooses which layers to checkpoint and where segments begin; set "
-                              f"the interval to 0 (or drop {key.split('.')[1]} to checkpoint uniformly).")
-        if self.dynamic_shape and max_sequence_length is None:
-            raise ConfigError("activation_checkpointing.max_sequence_length", None,
-                              f"the longest micro-batch when {key} is set and dynamic_shape=True",
-                              "The budget must hold for every micro-batch length up to it.")
-        lengths = None
-        if max_sequence_length is not None:
-            if not self.dynamic_shape:
-                raise ConfigError("activation_checkpointing.max_sequence_length", max_sequence_length,
-                                  "null unless the PipelineModule is built with dynamic_shape=True")
-            lengths = SequenceLengths(max_sequence_length, sequence_dim, length_buckets)
-        self.__dict__["_planner"] = StagePlanner(self, budget_bytes=budget_bytes, micro_batches=micro_batches,
-                                                 known_buffers=tuple(known_buffers),
-                                                 max_memory_bytes=max_memory_bytes, lengths=lengths)
+        ``ds_pipe_ckpt.initialize`` calls this); the arguments are
+        :func:`ds_pipe_ckpt.stage_planning.enable_planning`'s."""
+        enable_planning(self, budget_bytes, micro_batches, known_buffers, max_memory_bytes=max_memory_bytes,
+                        max_sequence_length=max_sequence_length, sequence_dim=sequence_dim,
+                        length_buckets=length_buckets, use_reentrant=self.checkpoint_mode != NON_REENTRANT)
 
     @property
     def planning_enabled(self) -> bool:
@@ -466,59 +401,18 @@ class PipelineModule(_DSPipelineModule):
     # -- which segments checkpointing helps -------------------------------------------
 
     def _frees_nothing(self, start: int, end: int) -> bool:
-        """Whether checkpointing segment ``[start, end)`` would free no memory:
-        its first checkpointed call saved for backward only its inputs and its
-        layers' parameters (an embedding, a head, a cast, a reshape), and no
-        ``activation_checkpointing`` option keeps inputs elsewhere (partitioned
-        or on the CPU, where checkpointing does free them). Such a segment runs
-        plainly: the same tensors are kept, and no recomputation is paid. Not
-        decided where the user chose: ``checkpointable_layers`` given, or a
-        custom ``activation_checkpoint_func``."""
-        facts = self.__dict__.get("_facts_by_segment", {}).get((start, end))
-        if facts is None or not facts.saves_only_inputs:
-            return False
-        if self.checkpointable_layers is not None or self.checkpoint_mode == CUSTOM:
-            return False
-        if inputs_are_placed(current_settings()):
-            return False
-        noted = self.__dict__.setdefault("_noted_plain_segments", set())
-        if (start, end) not in noted:
-            noted.add((start, end))
-            logger.info("ds_pipe_ckpt: %s runs without checkpointing from its second call on: its first "
-                        "checkpointed call saved only its inputs and parameters for backward, so checkpointing "
-                        "it frees no memory and costs a recomputation. Name its layers' classes in "
-                        "checkpointable_layers to checkpoint it anyway.", self.segment_label(start, end))
-        return True
+        """See :func:`ds_pipe_ckpt.segment_choice.frees_nothing`."""
+        return frees_nothing(self, start, end,
+                             user_chose=self.checkpointable_layers is not None or self.checkpoint_mode == CUSTOM)
 
     @property
     def segment_checkpointing(self) -> dict[str, str]:
         """How each segment of the current interval runs, by its label
-        (:meth:`segment_label`): ``"checkpointed"``; ``"plain"`` (not
-        checkpointable: the interval is 0, ``checkpointable_layers`` or
-        reentrant mode's parameter rule leaves it out); ``"plain: frees
-        nothing"`` (its first call saved only its inputs and parameters, see
-        :meth:`_frees_nothing`); ``"not called yet"`` for a checkpointable
-        segment whose first call has not been seen. Empty for a custom
+        (:meth:`segment_label`): ``"checkpointed"``, ``"plain"``, ``"plain:
+        frees nothing"`` or ``"not called yet"`` (see
+        :func:`ds_pipe_ckpt.segment_choice.segment_choices`). Empty for a custom
         ``activation_checkpoint_func`` or with a memory budget (then see
         :attr:`checkpoint_plan`)."""
-        interval, num_layers = self.activation_checkpoint_interval, len(self.forward_funcs)
         if self.checkpoint_mode == CUSTOM or self.planning_enabled:
             return {}
-        if interval == 0:
-            return {self.segment_label(0, num_layers): "plain"} if num_layers else {}
-        self._precompute_checkpointable_values()
-        choices = {}
-        for segment, start in enumerate(range(0, num_layers, interval)):
-            end = min(start + interval, num_layers)
-            facts = self.__dict__.get("_facts_by_segment", {}).get((start, end))
-            if not self.is_checkpointable_results[segment]:
-                choice = "plain"
-            elif self._frees_nothing(start, end):
-                choice = "plain: frees nothing"
-            elif facts is None or facts.saves_only_inputs is None:
-                choice = "not called yet"
-            else:
-                choice = "checkpointed"
-            choices[self.segment_label(start, end)] = choice
-        return choices
-
+        return segment_choices(self)

@@ -28,7 +28,7 @@ from .placement.runtime import RegionPlacement
 from .op_trace import OpTrace
 from .recompute import STOP_RECOMPUTATION, SavedTensorProbe, renamed, require_tensor_output
 from .regions import Region, modules_of
-from .segment_choice import SavedTensorLearner
+from .saved_inputs import SavedTensorLearner
 
 __all__ = ["RegionCall"]
 

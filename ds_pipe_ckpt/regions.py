@@ -69,7 +69,7 @@ class RegionFacts:
     was (a view of) one of its inputs or of its modules' parameters: run
     plainly, such a region keeps exactly what checkpointing keeps, so
     checkpointing it frees nothing and only adds a recomputation
-    (:class:`~ds_pipe_ckpt.segment_choice.SavedTensorLearner`).
+    (:class:`~ds_pipe_ckpt.saved_inputs.SavedTensorLearner`).
     """
 
     mutated_inputs: frozenset[int] | None = None

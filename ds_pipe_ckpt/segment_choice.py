@@ -1,88 +1,71 @@
-"""Which segments are worth checkpointing: a region's first checkpointed call
-learns whether its forward saves for backward anything beyond its inputs and
-its modules' parameters and buffers (``RegionFacts.saves_only_inputs``).
+"""Which of a :class:`~ds_pipe_ckpt.PipelineModule`'s uniform segments run
+checkpointed: a segment whose checkpointing frees no memory runs plainly.
 
-A region that saves nothing else (a token embedding, a position table, a tied
-LM head, a cast) frees no memory by being checkpointed; ``PipelineModule``
-then runs it plainly from its second call on (``PipelineModule.segment_checkpointing``).
-This module only learns the fact; the choice is the caller's. It must not
-change what the probe it extends checks.
+Reads the facts the module recorded at a segment's first checkpointed call;
+it does not run segments or change the module's interval or mode.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import logging
+from typing import Any
 
-import torch
+from .placement.runtime import inputs_are_placed
+from .settings import current_settings
 
-from .recompute import SavedTensorProbe
-from .regions import Region
+__all__ = ["frees_nothing", "segment_choices"]
 
-__all__ = ["SavedTensorLearner"]
-
-
-def _storage(tensor: torch.Tensor) -> int | None:
-    """The address of the memory ``tensor`` views, or None where it has none to
-    compare (a tensor subclass without storage)."""
-    try:
-        return tensor.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
+logger = logging.getLogger("ds_pipe_ckpt")
 
 
-class SavedTensorLearner(SavedTensorProbe):
-    """The probe of a region's first checkpointed call: as
-    :class:`SavedTensorProbe`, and it learns whether the forward saves anything
-    for backward beyond its inputs and its modules' parameters and buffers
-    (``RegionFacts.saves_only_inputs``).
+def frees_nothing(module: Any, start: int, end: int, *, user_chose: bool) -> bool:
+    """Whether checkpointing ``module``'s segment ``[start, end)`` would free no
+    memory: its first checkpointed call saved for backward only its inputs and
+    its layers' parameters (an embedding, a head, a cast, a reshape), and no
+    ``activation_checkpointing`` option keeps inputs elsewhere (partitioned or
+    on the CPU, where checkpointing does free them). Such a segment runs
+    plainly: the same tensors are kept, and no recomputation is paid. False
+    where the user chose (``user_chose``: ``checkpointable_layers`` given, or a
+    custom ``activation_checkpoint_func``)."""
+    facts = module.__dict__.get("_facts_by_segment", {}).get((start, end))
+    if facts is None or not facts.saves_only_inputs:
+        return False
+    if user_chose:
+        return False
+    if inputs_are_placed(current_settings()):
+        return False
+    noted = module.__dict__.setdefault("_noted_plain_segments", set())
+    if (start, end) not in noted:
+        noted.add((start, end))
+        logger.info("ds_pipe_ckpt: %s runs without checkpointing from its second call on: its first "
+                    "checkpointed call saved only its inputs and parameters for backward, so checkpointing "
+                    "it frees no memory and costs a recomputation. Name its layers' classes in "
+                    "checkpointable_layers to checkpoint it anyway.", module.segment_label(start, end))
+    return True
 
-    A saved tensor counts as an input or a parameter when it is one (by
-    identity, or a leaf that requires grad), is a view of one, or uses the
-    same memory as one of them or of the region's modules' buffers:
-    ``F.linear`` on a ``[B, T, d]`` input saves a reshaped view of it and of
-    the weight's transpose. Whatever else it saves (an activation, a dropout
-    mask, a norm's statistics) is memory that checkpointing frees.
-    """
 
-    __slots__ = ("_other",)
-
-    def __init__(self, region: Region, *, compare: bool = True):
-        super().__init__(region, compare=compare)
-        self._other: list | None = None  # while the forward runs: the saved tensors not known as inputs
-
-    def __call__(self, tensor: torch.Tensor) -> Any:
-        other = self._other  # None in a recomputation
-        if other is not None and not self._known(tensor):
-            base = tensor._base  # a view: of an input or a parameter, it holds no memory of its own
-            if base is None or not self._known(base):
-                other.append(_storage(tensor))
-        return super().__call__(tensor)
-
-    def _known(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` is an input of the region or a leaf that requires grad (a parameter)."""
-        return id(tensor) in self._input_ids or (tensor.grad_fn is None and tensor.requires_grad)
-
-    def learn_forward(self, run: Callable[..., Any], args: tuple, modules: Any) -> Any:
-        """:meth:`run_forward`, recording what it saves even where this call's
-        recomputation is not compared, then noting on the region's facts whether
-        it saved only ``args`` and ``modules``' parameters and buffers
-        (``modules``: a callable that returns them, called only when needed)."""
-        compare, self.compare, self._other = self.compare, True, []
-        try:
-            out = self.run_forward(run, args)
-        finally:
-            self.compare, other, self._other = compare, self._other, None
-        if self.forward_saved is None:  # not under torch's checkpoint hooks: nothing seen
-            return out
-        if not compare:
-            self.forward_saved = None
-        if other:
-            known = {_storage(t) for t in args if isinstance(t, torch.Tensor)}
-            for module in modules():
-                known.update(_storage(t) for t in module.parameters())
-                known.update(_storage(t) for t in module.buffers())
-            known.discard(None)
-            self.region.facts.saves_only_inputs = all(address in known for address in other)
+def segment_choices(module: Any) -> dict[str, str]:
+    """How each segment of ``module``'s current interval runs, by its label:
+    ``"checkpointed"``; ``"plain"`` (not checkpointable: the interval is 0,
+    ``checkpointable_layers`` or reentrant mode's parameter rule leaves it
+    out); ``"plain: frees nothing"`` (its first call saved only its inputs and
+    parameters, see :func:`frees_nothing`); ``"not called yet"`` for a
+    checkpointable segment whose first call has not been seen."""
+    interval, num_layers = module.activation_checkpoint_interval, len(module.forward_funcs)
+    if interval == 0:
+        return {module.segment_label(0, num_layers): "plain"} if num_layers else {}
+    module._precompute_checkpointable_values()
+    choices = {}
+    for segment, start in enumerate(range(0, num_layers, interval)):
+        end = min(start + interval, num_layers)
+        facts = module.__dict__.get("_facts_by_segment", {}).get((start, end))
+        if not module.is_checkpointable_results[segment]:
+            choice = "plain"
+        elif module._frees_nothing(start, end):
+            choice = "plain: frees nothing"
+        elif facts is None or facts.saves_only_inputs is None:
+            choice = "not called yet"
         else:
-            self.region.facts.saves_only_inputs = True
-        return out
+            choice = "checkpointed"
+        choices[module.segment_label(start, end)] = choice
+    return choices

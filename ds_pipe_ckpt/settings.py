@@ -241,9 +241,9 @@ def configure(mpu_: Any = None,
     The call replaces the program's previous call: the keys its
     ``deepspeed_config`` names, then its keyword values that are not ``None``,
     over the job's JSON config (what ``ds_pipe_ckpt.initialize`` read, which
-    it never undoes), over the defaults. The result is one settings object
-    (returned), not module globals; DeepSpeed's checkpointing module is set to
-    match it.
+    it never undoes), over the defaults. The result is the process-wide
+    settings object (returned; DeepSpeed's checkpointing configuration is
+    process-wide too), and DeepSpeed's checkpointing module is set to match it.
 
     Args:
         mpu_: model-parallel unit (``get_model_parallel_group/rank/world_size``,

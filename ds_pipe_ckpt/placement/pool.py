@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import NUMBER_CHECKPOINTS_ALLOWED
 from ..errors import ConfigError
 from .pack import ALIGNMENT
 
@@ -58,7 +59,7 @@ class BufferPool:
 
     def __init__(self, capacity: int):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
-            raise ConfigError(KEY, capacity, "a positive integer when contiguous_memory_optimization is true")
+            raise ConfigError(KEY, capacity, NUMBER_CHECKPOINTS_ALLOWED)
         self.capacity = capacity
         self._slots: list[_Slot] = []
         self._workspaces: dict[torch.device, torch.Tensor] = {}
