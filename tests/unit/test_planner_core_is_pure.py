@@ -17,6 +17,7 @@ CORE_MODULES = (
     "ds_pipe_ckpt.planning.length_plans",
     "ds_pipe_ckpt.planning.partition",
     "ds_pipe_ckpt.planning.planned",
+    "ds_pipe_ckpt.planning.stage_phase",
 )
 FORBIDDEN = ("torch", "deepspeed")
 
