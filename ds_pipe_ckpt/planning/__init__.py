@@ -19,6 +19,9 @@ Inside a pipeline stage (``PipelineModule.enable_planning``):
 * :mod:`.profile`: each layer's figures, measured on a training micro-batch;
 * :mod:`.stage`: :class:`~.stage.StagePlanner`, which measures, plans, follows
   the plan and checks its prediction;
+* :mod:`.stage_phase`: the stage's phases (measuring, checking, replan due,
+  planned, unplannable) and :func:`~.stage_phase.next_phase`, the one way
+  between them;
 * :mod:`.planned`: :class:`~.planned.PlannedStage`, what
   ``PipelineModule.checkpoint_plan`` exposes, and the table the planner prints.
 

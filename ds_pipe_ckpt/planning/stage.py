@@ -69,6 +69,7 @@ from .planned import PlannedStage
 from .profile import LayerMeter, StorageLedger, tensor_bytes
 from .shapes import SequenceLengths
 from .solver import InfeasibleBudgetError, plan_stage
+from .stage_phase import StageEvent, StagePhase, next_phase
 
 __all__ = ["StagePlanner", "PlannedStage", "PlanPredictionWarning", "KnownBuffer", "PREDICTION_TOLERANCE"]
 
@@ -172,8 +173,7 @@ class StagePlanner:
         self._tracker: memory.MemoryTracker | None = None
         self._tracker_start_bytes = 0
         self._step_end_hook: Any = None
-        self._checked = False
-        self._replan_from: PlannedStage | None = None  # a checked plan to make again at the next step's start
+        self.phase = StagePhase.MEASURING  # planning.stage_phase; moved only by _advance
         # Whether this step start's planning is agreed with every rank (planning.agreement):
         # from the step after the measuring step, while any rank may still plan.
         self._agreement_due = False
@@ -422,11 +422,11 @@ class StagePlanner:
                 raise
             error = raised
         if self._agreement_due:
-            may_plan_again = self.planned is not None and not self._checked and error is None
+            may_plan_again = self.phase in (StagePhase.CHECKING, StagePhase.REPLAN_DUE) and error is None
             self._agreement_due = agree(self.stage, error, may_plan_again)
         measuring = self.measurement is None and self.forwards == self.micro_batches
         first = self.forwards == 0
-        if (first or measuring or (self.planned is not None and not self._checked)) \
+        if (first or measuring or self.phase in (StagePhase.CHECKING, StagePhase.REPLAN_DUE)) \
                 and not torch.autograd._profiler_enabled():
             # Garbage made before the step (reference cycles, which the collector
             # frees at an arbitrary allocation) must not be freed inside the tracked
@@ -441,18 +441,24 @@ class StagePlanner:
     def _plan_if_due(self) -> None:
         """Plan again after a checked step that did not fit its prediction, or
         for the first time after the measuring step."""
-        if self._replan_from is not None:
-            checked, self._replan_from = self._replan_from, None
+        if self.phase is StagePhase.REPLAN_DUE:
+            checked = self.planned
+            self._advance(StageEvent.REPLANNING)
             self.planned = self._plan()
             self.planned.earlier_checks = (*checked.earlier_checks,
                                            (checked.predicted_peak_bytes, checked.measured_peak_bytes))
             self._announce()
-        if self.planned is None and self.measurement is not None and not self.unmeasured:
+        if self.phase is StagePhase.MEASURING and self.measurement is not None:
             if self.measurement.complete:
                 self.planned = self._plan()
+                self._advance(StageEvent.PLANNED)
                 self._announce()
             else:
                 self._refuse_incomplete_measurement()
+                self._advance(StageEvent.MEASUREMENT_INCOMPLETE)
+
+    def _advance(self, event: StageEvent) -> None:
+        self.phase = next_phase(self.phase, event)
 
     def _refuse_incomplete_measurement(self) -> None:
         """The measuring step ended without every layer measured: say which, and
@@ -762,7 +768,6 @@ class StagePlanner:
             self.loss_phase_peak_bytes = report.interval_peaks.get(BACKWARD_BEGINS)
             self.step_start_bytes = self._tracker_start_bytes
             return
-        self._checked = True
         planned = self.planned
         planned.measured_peak_bytes = measured
         predicted = planned.predicted_peak_bytes
@@ -785,5 +790,6 @@ class StagePlanner:
         if calibrate:
             self.calibrations += 1
             self.unmodelled_bytes += measured - predicted
-            self._replan_from = planned
-            self._checked = False
+            self._advance(StageEvent.CHECK_MISSED)
+        else:
+            self._advance(StageEvent.CHECK_HELD)
