@@ -16,7 +16,15 @@ Three sources, in rising precedence, each replaced as a whole by its next call:
 
 So ``initialize`` never undoes what a program configured, and a configure
 call after it keeps the JSON's keys the call does not name. Where the JSON
-and the program disagree the log says once which value is in force.
+and the program disagree the log says once which value is in force. The
+order is written once, :meth:`ConfigSources.in_rising_precedence`; the
+config, the ``mpu`` and the conflict notes all read it.
+
+The settings in force are process-wide, as DeepSpeed's checkpointing
+configuration is: one :class:`SettingsInForce` object, :data:`IN_FORCE`, holds
+them with what DeepSpeed's module held when ds_pipe_ckpt last wrote or read
+it, and its methods are the only way to read or replace either. No other
+module holds configuration.
 
 DeepSpeed's checkpointing module is kept equal to the settings in force (the
 reentrant mode delegates to it); a change made to it behind
@@ -42,8 +50,9 @@ from . import upstream_checkpointing as upstream
 
 logger = logging.getLogger("ds_pipe_ckpt")
 
-__all__ = ["CheckpointingSettings", "ConfigSources", "configure", "current_settings", "configure_job",
-           "note_job_use_reentrant", "record_deepspeed_configure", "restore_defaults", "route_deepspeed_checkpoint"]
+__all__ = ["CheckpointingSettings", "ConfigSources", "SettingsInForce", "IN_FORCE", "configure", "current_settings",
+           "configure_job", "note_job_use_reentrant", "record_deepspeed_configure", "restore_defaults",
+           "route_deepspeed_checkpoint"]
 
 # Options the reentrant mode delegates to DeepSpeed's checkpointing module (the
 # non-reentrant mode implements them in ds_pipe_ckpt.placement).
@@ -67,20 +76,31 @@ class ConfigSources:
     program_mpu: Any = None
     program_call: str = ""  # e.g. "deepspeed.checkpointing.configure()", for messages
 
+    def in_rising_precedence(self) -> tuple[tuple[Mapping[str, Any], Any], tuple[Mapping[str, Any], Any]]:
+        """The sources over the defaults, lowest first, as (fields, ``mpu``):
+        the job's, then the program's. The one place the order is written."""
+        return (self.job, self.job_mpu), (self.program, self.program_mpu)
+
     def config(self) -> CheckpointingConfig:
-        """The defaults, then the job's values, then the program's (validated)."""
-        return CheckpointingConfig(**{**self.job, **self.program})
+        """The defaults, then each source's fields over them (validated)."""
+        fields: dict[str, Any] = {}
+        for values, _ in self.in_rising_precedence():
+            fields.update(values)
+        return CheckpointingConfig(**fields)
 
     @property
     def mpu(self) -> Any:
-        return self.program_mpu if self.program_mpu is not None else self.job_mpu
+        """The ``mpu`` of the highest source that gives one (None: none does)."""
+        units = [unit for _, unit in self.in_rising_precedence() if unit is not None]
+        return units[-1] if units else None
 
     def conflicts(self) -> list[str]:
         """Where the program's call overrides a value the JSON gives, in words."""
-        notes = [f"{_json_key(name)} = {self.job[name]!r} in the JSON, {self.program[name]!r} by "
-                 f"{self.program_call}: {self.program[name]!r} is in force"
-                 for name in sorted(self.job.keys() & self.program.keys()) if self.job[name] != self.program[name]]
-        if self.job_mpu is not None and self.program_mpu is not None and self.job_mpu is not self.program_mpu:
+        (job, job_mpu), (program, program_mpu) = self.in_rising_precedence()
+        notes = [f"{_json_key(name)} = {job[name]!r} in the JSON, {program[name]!r} by "
+                 f"{self.program_call}: {program[name]!r} is in force"
+                 for name in sorted(job.keys() & program.keys()) if job[name] != program[name]]
+        if job_mpu is not None and program_mpu is not None and job_mpu is not program_mpu:
             notes.append(f"the model-parallel unit given by {self.program_call} is in force over the "
                          "pipeline's grid (initialize)")
         return notes
@@ -142,10 +162,35 @@ class CheckpointingSettings:
             logger.warning("ds_pipe_ckpt: %s", message)
 
 
-class _Holder:
-    settings = CheckpointingSettings()
-    # What DeepSpeed's checkpointing module held after ds_pipe_ckpt last wrote or read it.
-    upstream_seen = upstream.state_key()
+class SettingsInForce:
+    """The process's settings in force, and what DeepSpeed's checkpointing
+    module held when ds_pipe_ckpt last wrote or read it. One instance,
+    :data:`IN_FORCE`; its methods are the only readers and writers of both."""
+
+    def __init__(self) -> None:
+        self._settings = CheckpointingSettings()
+        self._upstream_seen = upstream.state_key()
+
+    @property
+    def settings(self) -> CheckpointingSettings:
+        """The settings in force as last replaced (no look at DeepSpeed's module)."""
+        return self._settings
+
+    def replace(self, settings: CheckpointingSettings) -> None:
+        """Put ``settings`` in force; DeepSpeed's module, as it is now, is what they mirror."""
+        self._settings = settings
+        self._upstream_seen = upstream.state_key()
+
+    def upstream_changed(self) -> bool:
+        """Whether DeepSpeed's module changed since ds_pipe_ckpt last wrote or read it."""
+        return upstream.state_key() != self._upstream_seen
+
+    def mark_upstream_seen(self, state: tuple) -> None:
+        """Take DeepSpeed's module state ``state`` as seen (adopted once, whatever follows)."""
+        self._upstream_seen = state
+
+
+IN_FORCE = SettingsInForce()
 
 
 def current_settings() -> CheckpointingSettings:
@@ -155,9 +200,9 @@ def current_settings() -> CheckpointingSettings:
     it without going through ds_pipe_ckpt's wrapper of
     ``deepspeed.checkpointing.configure`` is adopted as the program's latest
     call (a one-time log line names the values)."""
-    if upstream.state_key() != _Holder.upstream_seen:
+    if IN_FORCE.upstream_changed():
         _adopt_upstream()
-    return _Holder.settings
+    return IN_FORCE.settings
 
 
 def _model_parallel_group(config: CheckpointingConfig, mpu: Any) -> TensorParallelGroup | None:
@@ -207,7 +252,7 @@ def _apply(sources: ConfigSources, *, routes: bool | None = None) -> Checkpointi
     config = sources.config()
     model_parallel = _model_parallel_group(config, sources.mpu)
     _configure_upstream(config, model_parallel)
-    previous = _Holder.settings
+    previous = IN_FORCE.settings
     # What regions showed on their first call does not depend on the
     # configuration: keep it, so that reconfiguring does not relearn every region.
     settings = CheckpointingSettings(config=config, model_parallel=model_parallel, sources=sources,
@@ -215,8 +260,7 @@ def _apply(sources: ConfigSources, *, routes: bool | None = None) -> Checkpointi
                                      if routes is None else routes, regions=previous.regions)
     # A note already logged under the previous settings is not logged again.
     settings.warned.update(key for key in previous.warned if key.startswith("conflict:"))
-    _Holder.settings = settings
-    _Holder.upstream_seen = upstream.state_key()
+    IN_FORCE.replace(settings)
     for note in sources.conflicts():
         settings.log_once(f"conflict:{note}", note)
     logger.info("activation checkpointing configured: %s", config)
@@ -279,11 +323,11 @@ def configure(mpu_: Any = None,
 
 
 def _configure_program(call: str, mpu: Any, deepspeed_config: Any, keywords: dict) -> CheckpointingSettings:
-    # _Holder's sources, not current_settings()'s: DeepSpeed's module has just been
+    # IN_FORCE's sources, not current_settings()'s: DeepSpeed's module has just been
     # changed by the call being recorded, which is no change behind our back.
     program = {**CheckpointingConfig.named_in(load_ds_config(deepspeed_config)),
                **CheckpointingConfig.override_fields(**keywords)}
-    return _apply(replace(_Holder.settings.sources, program=program, program_call=call, program_mpu=mpu))
+    return _apply(replace(IN_FORCE.settings.sources, program=program, program_call=call, program_mpu=mpu))
 
 
 def record_deepspeed_configure(mpu_: Any, deepspeed_config: Any, **keywords: Any) -> CheckpointingSettings:
@@ -291,7 +335,7 @@ def record_deepspeed_configure(mpu_: Any, deepspeed_config: Any, **keywords: Any
     run): the program's latest configure call, as for :func:`configure`, except
     that ``mpu_=None`` keeps the unit of an earlier call, as DeepSpeed keeps it."""
     if mpu_ is None:
-        mpu_ = _Holder.settings.sources.program_mpu
+        mpu_ = IN_FORCE.settings.sources.program_mpu
     return _configure_program(upstream.CONFIGURE_CALL, mpu_, deepspeed_config, keywords)
 
 
@@ -335,11 +379,11 @@ def restore_defaults() -> CheckpointingSettings:
 
 def _adopt_upstream() -> None:
     state = upstream.snapshot()
-    sources = _Holder.settings.sources
+    sources = IN_FORCE.settings.sources
     mpu = state.mpu
     if mpu is None or isinstance(mpu, TensorParallelGroup) or mpu is sources.job_mpu:
         mpu = sources.program_mpu  # what _configure_upstream wrote, or the job's
-    _Holder.upstream_seen = tuple(state)  # whatever happens next, adopt this state once
+    IN_FORCE.mark_upstream_seen(tuple(state))  # whatever happens next, adopt this state once
     settings = _apply(replace(sources, program=state.fields(), program_mpu=mpu,
                               program_call="a direct change of DeepSpeed's checkpointing module"))
     settings.log_once("adopted-upstream", "DeepSpeed's checkpointing module was changed behind ds_pipe_ckpt's "
