@@ -1,5 +1,13 @@
 """Activation-checkpointing configuration: one immutable object, parsed and
-validated from a DeepSpeed JSON config or from keyword overrides.
+validated from a DeepSpeed JSON config's sections or from keyword overrides.
+
+What it is for: the ``pipeline`` and ``activation_checkpointing`` keys, the
+fields they set, and every rule on their values (each with its one
+``ConfigError`` text), the rules between a pipeline module's arguments and a
+budget included (:func:`check_module_against_config`). What it must not do:
+read a config file or string, or hold the settings in force; a config
+document is read by :mod:`ds_pipe_ckpt.ds_config`, the settings in force are
+:mod:`ds_pipe_ckpt.settings`'s.
 
 Keys read (all optional):
 
@@ -33,11 +41,7 @@ Keys read (all optional):
 
 from __future__ import annotations
 
-import base64
-import binascii
 import dataclasses
-import json
-import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -46,10 +50,8 @@ from .errors import ConfigError
 __all__ = [
     "CheckpointingConfig",
     "check_module_against_config",
-    "load_ds_config",
     "pipeline_interval",
     "validate_interval",
-    "micro_batches_per_step",
     "OVERRIDE_KEYS",
 ]
 
@@ -94,6 +96,14 @@ def require_int(key: str, value: Any, minimum: int, allowed: str) -> int:
     ConfigError naming ``key`` with ``allowed``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(key, value, allowed)
+    return value
+
+
+def require_positive_int_or_none(key: str, value: Any) -> int | None:
+    """``value`` if it is None or an int (not a bool) of at least 1; else a
+    ConfigError naming ``key``."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(key, value, "a positive integer or null")
     return value
 
 
@@ -149,9 +159,7 @@ class CheckpointingConfig:
         self._check_policy(key_of)
         self._check_budget(key_of)
         self._check_lengths(key_of)
-        n = self.number_checkpoints
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0):
-            raise ConfigError(key_of["number_checkpoints"], n, "a positive integer or null")
+        n = require_positive_int_or_none(key_of["number_checkpoints"], self.number_checkpoints)
         if self.contiguous_memory_optimization and not self.partition_activations:
             raise ConfigError(key_of["contiguous_memory_optimization"], True,
                               "false unless partition_activations is true",
@@ -282,9 +290,9 @@ class CheckpointingConfig:
             values["use_reentrant"] = _require_bool(f"{PIPELINE}.use_reentrant", pipeline["use_reentrant"])
         pipeline_interval(param_dict)  # validated here so that a bad value fails early
 
-        section = _section(param_dict, SECTION)
+        checkpointing = _section(param_dict, SECTION)
         known = {f.name for f in dataclasses.fields(cls)} - {"use_reentrant"}
-        for key, value in section.items():
+        for key, value in checkpointing.items():
             if key not in known:
                 raise ConfigError(f"{SECTION}.{key}", value, f"one of the keys {sorted(known)}",
                                   "Unknown keys are rejected rather than silently ignored; check the spelling.")
@@ -348,12 +356,12 @@ def check_module_against_config(key: str, budget: Any, *, interval: int | None, 
 
 
 def _section(param_dict: Mapping[str, Any], name: str) -> Mapping[str, Any]:
-    section = param_dict.get(name)
-    if section is None:
+    value = param_dict.get(name)
+    if value is None:
         return {}
-    if not isinstance(section, Mapping):
-        raise ConfigError(name, section, "a JSON object")
-    return section
+    if not isinstance(value, Mapping):
+        raise ConfigError(name, value, "a JSON object")
+    return value
 
 
 def pipeline_interval(param_dict: Mapping[str, Any] | None) -> int | None:
@@ -363,77 +371,3 @@ def pipeline_interval(param_dict: Mapping[str, Any] | None) -> int | None:
         return None
     return validate_interval(f"{PIPELINE}.activation_checkpoint_interval",
                              pipeline["activation_checkpoint_interval"])
-
-
-def _batch_value(param_dict: Mapping[str, Any], key: str) -> int | None:
-    value = param_dict.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(key, value, "a positive integer or null")
-    return value
-
-
-def micro_batches_per_step(param_dict: Mapping[str, Any], data_parallel_size: int | None) -> int | None:
-    """The micro-batches per step (``gradient_accumulation_steps``) of a
-    DeepSpeed config, given or derived as DeepSpeed derives it from
-    ``train_batch_size`` and ``train_micro_batch_size_per_gpu`` and the
-    data-parallel size (``train_batch_size = micro x accumulation x data
-    parallel``; 1 when only one of the two batch sizes is given).
-    ``data_parallel_size`` None (not known yet): the keys are checked and None
-    is returned unless ``gradient_accumulation_steps`` is given.
-
-    Raises:
-        ConfigError: a batch key that is not a positive integer, none of the
-            three keys, or values that do not multiply out (named as DeepSpeed's
-            own check names them).
-    """
-    if data_parallel_size is not None and (isinstance(data_parallel_size, bool)
-                                           or not isinstance(data_parallel_size, int) or data_parallel_size < 1):
-        raise ValueError(f"data_parallel_size must be a positive int, got {data_parallel_size!r}")
-    train = _batch_value(param_dict, "train_batch_size")
-    micro = _batch_value(param_dict, "train_micro_batch_size_per_gpu")
-    accumulation = _batch_value(param_dict, "gradient_accumulation_steps")
-    if accumulation is None:
-        if train is None and micro is None:
-            raise ConfigError("train_batch_size", None,
-                              "a positive integer (or train_micro_batch_size_per_gpu), as DeepSpeed requires",
-                              "The micro-batches per step are gradient_accumulation_steps, given or derived "
-                              "from train_batch_size and train_micro_batch_size_per_gpu.")
-        if data_parallel_size is None:
-            return None
-        accumulation = 1 if train is None or micro is None else train // micro // data_parallel_size
-    if data_parallel_size is None:
-        return accumulation
-    if train is not None and micro is not None and train != micro * accumulation * data_parallel_size:
-        raise ConfigError("train_batch_size", train,
-                          f"train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel size "
-                          f"= {micro} x {accumulation} x {data_parallel_size}",
-                          upstream="Check batch related parameters. train_batch_size is not equal to "
-                          "micro_batch_per_gpu * gradient_acc_step * world_size")
-    if accumulation < 1:
-        raise ConfigError("gradient_accumulation_steps", accumulation,
-                          "at least 1: train_batch_size must be at least train_micro_batch_size_per_gpu x "
-                          f"the data-parallel size ({data_parallel_size})")
-    return accumulation
-
-
-def load_ds_config(config: Any) -> dict:
-    """Read a DeepSpeed config the way ``deepspeed.initialize`` accepts it:
-    a dict, a path to a JSON/HJSON file, or a urlsafe-base64-encoded JSON string."""
-    if config is None:
-        return {}
-    if isinstance(config, Mapping):
-        return dict(config)
-    if isinstance(config, (str, os.PathLike)):
-        path = os.fspath(config)
-        if os.path.exists(path):
-            import hjson  # DeepSpeed's own config reader; a dependency of deepspeed
-            with open(path) as handle:
-                return dict(hjson.load(handle))
-        try:
-            return json.loads(base64.urlsafe_b64decode(path).decode("utf-8"))
-        except (binascii.Error, UnicodeDecodeError, ValueError):
-            pass
-    raise ConfigError("deepspeed_config", config,
-                      "a dict, a path to an existing JSON file, or a base64-encoded JSON string")

@@ -14,7 +14,8 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from . import clipping
 from .compat import correct_gradient_accumulation, resolve_use_reentrant
-from .config import CheckpointingConfig, check_module_against_config, load_ds_config, pipeline_interval
+from .config import CheckpointingConfig, check_module_against_config, pipeline_interval
+from .ds_config import load_ds_config
 from .errors import ConfigError
 from .settings import configure_job
 

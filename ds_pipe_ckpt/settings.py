@@ -41,7 +41,8 @@ from typing import Any, Mapping
 
 from deepspeed import comm as ds_comm
 
-from .config import CheckpointingConfig, load_ds_config
+from .config import CheckpointingConfig
+from .ds_config import load_ds_config
 from .options import CheckpointOptions
 from .errors import ConfigError
 from .parallel import TensorParallelGroup

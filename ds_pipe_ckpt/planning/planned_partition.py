@@ -23,7 +23,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from ..config import SECTION, CheckpointingConfig, load_ds_config, micro_batches_per_step
+from ..config import SECTION, CheckpointingConfig
+from ..ds_config import load_ds_config, micro_batches_per_step
 from ..errors import ConfigError
 from .cost_model import LayerProfile
 from .layer_profiling import LayerChainProfile, profile_layer_specs
