@@ -13,10 +13,11 @@ from deepspeed.pipe import PipelineModule as _DSPipelineModule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from . import clipping
-from .compat import correct_gradient_accumulation, resolve_use_reentrant
+from .compat import resolve_use_reentrant
 from .config import CheckpointingConfig, check_module_against_config, pipeline_interval
 from .ds_config import load_ds_config
 from .errors import ConfigError
+from .gradient_accumulation import correct_gradient_accumulation
 from .settings import configure_job
 
 __all__ = ["initialize"]
@@ -55,7 +56,7 @@ def initialize(args: Any = None,
     A pipeline engine gets the gradients of the same layers without a
     pipeline, on every DeepSpeed in the supported range: divided by
     ``gradient_accumulation_steps`` once, as DeepSpeed 0.19 does
-    (:func:`ds_pipe_ckpt.compat.correct_gradient_accumulation`), and, with
+    (:func:`ds_pipe_ckpt.gradient_accumulation.correct_gradient_accumulation`), and, with
     ``gradient_clipping`` on the fp32 path, clipped by the norm over every
     stage (:mod:`ds_pipe_ckpt.clipping`).
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable, Sequence
 
+import deepspeed
 import torch
 from deepspeed.pipe import LayerSpec as _DSLayerSpec
 from deepspeed.pipe import PipelineModule as _DSPipelineModule
@@ -13,8 +14,8 @@ from deepspeed.pipe import TiedLayerSpec as _DSTiedLayerSpec
 from deepspeed.runtime import utils as ds_utils
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
+from . import gradient_accumulation
 from .checkpoint import checkpoint_region
-from . import compat
 from .config import LENGTH_BUCKETS, validate_interval
 from .errors import ConfigError
 from .module_arguments import check_module_arguments, require_checkpoint_func
@@ -371,11 +372,11 @@ class PipelineModule(_DSPipelineModule):
         if self.__dict__.get(ENGINE_CORRECTED) or self.__dict__.get("_warned_uncorrected"):
             return
         self.__dict__["_warned_uncorrected"] = True
-        if compat.engine_scales_accumulation_wrongly():
-            warnings.warn(f"ds_pipe_ckpt: DeepSpeed {compat.deepspeed.__version__}'s pipeline engine does not divide "
+        if gradient_accumulation.engine_scales_accumulation_wrongly():
+            warnings.warn(f"ds_pipe_ckpt: DeepSpeed {deepspeed.__version__}'s pipeline engine does not divide "
                           "the gradients by gradient_accumulation_steps once on the last stage "
-                          f"({compat.GRADIENT_ACCUMULATION_FIX}), so with more than one micro-batch per step they "
-                          "differ from the model's without a pipeline. Build the engine with ds_pipe_ckpt.initialize "
+                          f"({gradient_accumulation.GRADIENT_ACCUMULATION_FIX}), so with more than one micro-batch "
+                          "per step they differ from the model's without a pipeline. Build the engine with ds_pipe_ckpt.initialize "
                           "(same arguments as deepspeed.initialize), which corrects it.", UserWarning, stacklevel=3)
 
     def forward(self, forward_input: Any) -> Any:

@@ -109,8 +109,8 @@ def parity_cases(cases, pp):
 
 def probe_scales(pp, ga):
     """What each stage's engine multiplies its gradient by, before ds_pipe_ckpt's
-    correction and after (compat.pipeline_gradient_scale)."""
-    from ds_pipe_ckpt.compat import pipeline_gradient_scale
+    correction and after (gradient_accumulation.pipeline_gradient_scale)."""
+    from ds_pipe_ckpt.gradient_accumulation import pipeline_gradient_scale
 
     ds_pipe_ckpt.configure()
     layers = mlp_layers(5)
