@@ -30,6 +30,12 @@ DeepSpeed's checkpointing module is kept equal to the settings in force (the
 reentrant mode delegates to it); a change made to it behind
 ds_pipe_ckpt's wrappers (:mod:`ds_pipe_ckpt.deepspeed_wrappers`) is
 adopted as a program call on the next use.
+
+What it is for: which source's settings are in force, and keeping DeepSpeed's
+checkpointing module equal to them. What it must not do: hold a rule on a
+key's value (those are :mod:`ds_pipe_ckpt.config`'s; what is checked here is
+the process, DeepSpeed's options that need torch.distributed) or read a
+config document itself (:mod:`ds_pipe_ckpt.ds_config` does).
 """
 
 from __future__ import annotations
