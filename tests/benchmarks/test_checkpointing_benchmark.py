@@ -5,9 +5,9 @@ checkpoint. The figures themselves are measured on a quiet machine
 
 import torch
 
-from benchmarks import checkpointing
-from benchmarks.report import time_tolerance
-from benchmarks.workloads import DEFAULT_WORKLOADS, WORKLOAD_NAMES, build_workload
+from benchmarks.checkpointing import runner
+from benchmarks.checkpointing.report import time_tolerance
+from benchmarks.checkpointing.workloads import DEFAULT_WORKLOADS, WORKLOAD_NAMES, build_workload
 
 
 def test_small_region_workloads_have_their_size():
@@ -23,8 +23,8 @@ def test_small_region_workloads_have_their_size():
 def test_the_benchmark_runs_a_small_regions_workload(capsys):
     threads = torch.get_num_threads()
     try:
-        assert checkpointing.main(["--threads", "1", "--repetitions", "5", "--workloads", "small_regions_32",
-                                   "--variants", "none", "torch_non_reentrant", "ours_non_reentrant"]) == 0
+        assert runner.main(["--threads", "1", "--repetitions", "5", "--workloads", "small_regions_32",
+                            "--variants", "none", "torch_non_reentrant", "ours_non_reentrant"]) == 0
     finally:
         torch.set_num_threads(threads)
     report = capsys.readouterr().out
@@ -34,7 +34,7 @@ def test_the_benchmark_runs_a_small_regions_workload(capsys):
 
 
 def test_the_region_loop_runs(capsys):
-    from benchmarks import region_loop
+    from benchmarks.checkpointing import region_loop
 
     threads = torch.get_num_threads()
     try:
@@ -47,9 +47,9 @@ def test_the_region_loop_runs(capsys):
 def test_the_per_call_figures_and_profile_are_reported(capsys):
     threads = torch.get_num_threads()
     try:
-        assert checkpointing.main(["--threads", "1", "--repetitions", "5", "--workloads", "small_regions_32",
-                                   "--variants", "none", "torch_non_reentrant", "ours_non_reentrant",
-                                   "--profile"]) == 0
+        assert runner.main(["--threads", "1", "--repetitions", "5", "--workloads", "small_regions_32",
+                            "--variants", "none", "torch_non_reentrant", "ours_non_reentrant",
+                            "--profile"]) == 0
     finally:
         torch.set_num_threads(threads)
     report = capsys.readouterr().out
@@ -60,7 +60,7 @@ def test_the_per_call_figures_and_profile_are_reported(capsys):
 
 
 def test_the_region_loop_measures_the_ablations(capsys):
-    from benchmarks import region_loop
+    from benchmarks.checkpointing import region_loop
     from ds_pipe_ckpt.recompute import SavedTensorProbe
     from ds_pipe_ckpt.region_call import RegionCall
 

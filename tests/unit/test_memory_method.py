@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from benchmarks.floor import checkpointing_floor, segment_sizes
-from benchmarks.measure import Stage
+from benchmarks.checkpointing.floor import checkpointing_floor, segment_sizes
+from benchmarks.checkpointing.measure import Stage
 from ds_pipe_ckpt.memory import cpu_allocations_tracked, track_cpu_allocations, track_memory
-from benchmarks.variants import variant
-from benchmarks.workloads import gpt_stage
+from benchmarks.checkpointing.variants import variant
+from benchmarks.checkpointing.workloads import gpt_stage
 
 F32 = 4
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

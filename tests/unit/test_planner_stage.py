@@ -17,7 +17,7 @@ import torch.nn as nn
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
 import ds_pipe_ckpt
-from benchmarks.workloads import TransformerBlock
+from benchmarks.checkpointing.workloads import TransformerBlock
 from ds_pipe_ckpt import CheckpointingConfig, ConfigError
 from ds_pipe_ckpt.planning.cost_model import Decision
 from ds_pipe_ckpt.planning.stage import PlanPredictionWarning

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
 import ds_pipe_ckpt
-from benchmarks.workloads import TransformerBlock
+from benchmarks.checkpointing.workloads import TransformerBlock
 from ds_pipe_ckpt import CheckpointingConfig, ConfigError, RecomputeMismatchError
 from ds_pipe_ckpt.selective import DEFAULT_SAVE_OPS, ops_to_keep, resolve_ops
 

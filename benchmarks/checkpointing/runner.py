@@ -8,14 +8,14 @@ Run from the repository root::
     python -m benchmarks.checkpointing --threads 1 --workloads small_regions_32 small_regions_1024 \
         --variants none torch_non_reentrant deepspeed_non_reentrant ours_non_reentrant --profile   # per-call cost
 
-For each workload (:mod:`benchmarks.workloads`) and variant
-(:mod:`benchmarks.variants`) it prints the peak memory of one forward+backward
+For each workload (:mod:`benchmarks.checkpointing.workloads`) and variant
+(:mod:`benchmarks.checkpointing.variants`) it prints the peak memory of one forward+backward
 above the memory held before it, the memory still held after the forward, the
-analytic floor (:mod:`benchmarks.floor`), the median, min and max step time
+analytic floor (:mod:`benchmarks.checkpointing.floor`), the median, min and max step time
 over the timed repetitions, and the ratios to no checkpointing and to
 DeepSpeed's non-reentrant checkpoint; on the small-regions workloads also the
 time per checkpointed call, and with ``--profile`` where it goes
-(:mod:`benchmarks.call_profile`). Runs on CUDA when available, else CPU.
+(:mod:`benchmarks.checkpointing.call_profile`). Runs on CUDA when available, else CPU.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"same as --preset quick: smaller batches, {QUICK_REPETITIONS} timed repetitions "
                         "(under 2 minutes on 2 CPU cores)")
     parser.add_argument("--preset", choices=sorted(SIZES),
-                        help="workload sizes (benchmarks/workloads.py SIZES); 'gpu' for a GPU (default: full)")
+                        help="workload sizes (benchmarks/checkpointing/workloads.py SIZES); 'gpu' for a GPU (default: full)")
     parser.set_defaults(preset="full")
     parser.add_argument("--json", metavar="PATH", help="write every result and raw sample to PATH")
     parser.add_argument("--png", metavar="PATH", help="plot peak memory against step time to PATH")

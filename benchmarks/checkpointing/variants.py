@@ -2,7 +2,7 @@
 plus the ``ds_pipe_ckpt.configure`` settings it runs under.
 
 Variants that need a process group (``world_size`` set) run in their own
-ranks (:mod:`benchmarks.distributed`); the others run in the benchmark's
+ranks (:func:`benchmarks.checkpointing.measure.measure_in_rank`); the others run in the benchmark's
 process. A variant whose settings ``ds_pipe_ckpt.configure`` rejects with
 ``NotImplementedError`` is reported as not available, with that message.
 """
@@ -59,7 +59,7 @@ class Variant:
         settings: keyword arguments of ``ds_pipe_ckpt.configure`` to run under.
         world_size: ranks to run in (the model-parallel group spans them all),
             or None to run in the benchmark's process.
-        has_floor: whether :mod:`benchmarks.floor` bounds its peak (it keeps
+        has_floor: whether :mod:`benchmarks.checkpointing.floor` bounds its peak (it keeps
             every segment input on the device and recomputes per segment).
     """
 

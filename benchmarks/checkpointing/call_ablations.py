@@ -1,6 +1,6 @@
 """What each guarantee of ``ds_pipe_ckpt.checkpoint`` costs per call: the
 non-reentrant path with its parts switched off one after another, for
-measurement only (:mod:`benchmarks.region_loop` ``--ablations``).
+measurement only (:mod:`benchmarks.checkpointing.region_loop` ``--ablations``).
 
 Each step down the ladder keeps what the one before kept, less one thing:
 

@@ -8,13 +8,13 @@ that comes every other step does not always land on the same variant.
 
 Run from the repository root::
 
-    python -m benchmarks.region_loop 32 128 512 1024
-    python -m benchmarks.region_loop --freeze 1024        # gc.freeze() after imports
-    python -m benchmarks.region_loop --ablations 128      # what each guarantee costs
+    python -m benchmarks.checkpointing.region_loop 32 128 512 1024
+    python -m benchmarks.checkpointing.region_loop --freeze 1024        # gc.freeze() after imports
+    python -m benchmarks.checkpointing.region_loop --ablations 128      # what each guarantee costs
 
 Prints, per N, torch's median time per region and, for each other variant,
 the median of the per-round ratios variant ÷ torch. ``--ablations`` adds the
-variants of :mod:`benchmarks.call_ablations`.
+variants of :mod:`benchmarks.checkpointing.call_ablations`.
 """
 
 from __future__ import annotations
@@ -55,12 +55,12 @@ def _measure(layers: Sequence[nn.Module], variants: Sequence[Ablation], rounds: 
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.region_loop", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.checkpointing.region_loop", description=__doc__.split("\n\n")[0])
     parser.add_argument("regions", type=int, nargs="+", help="numbers of regions per step")
     parser.add_argument("--freeze", action="store_true", help="gc.freeze() before measuring")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per N (default: max(25, 4096 / N))")
     parser.add_argument("--ablations", action="store_true",
-                        help="also ours with its guarantees switched off one by one (benchmarks.call_ablations)")
+                        help="also ours with its guarantees switched off one by one (benchmarks.checkpointing.call_ablations)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
