@@ -53,14 +53,13 @@ from .length_plans import plan_lengths
 from .planned import PlannedStage
 from .profile import LayerMeter, tensor_bytes
 from .shapes import SequenceLengths
-from .stage_lengths import StageLengths
 from .solver import InfeasibleBudgetError, plan_stage
+from .stage_budget import StepCheck, budget_from_max_memory, no_plan_fits
+from .stage_lengths import StageLengths
 from .stage_measurement import BACKWARD_BEGINS, FORWARD_ENDS, StageMeasurement, StageMeasurer
 from .stage_phase import StageEvent, StagePhase, next_phase
-from .stage_budget import StepCheck, budget_from_max_memory, no_plan_fits
-from .stage_problem import (KnownBuffer, LengthFigures, StageFacts, Unmodelled,
-                            floor_text, length_problems, stage_problem, unmodelled_from_measuring_step,
-                            unmodelled_growth)
+from .stage_problem import (KnownBuffer, LengthFigures, StageFacts, Unmodelled, floor_text, length_problems,
+                            stage_problem, unmodelled_from_measuring_step, unmodelled_growth)
 from .step_tracking import StepMemory, TrackedStep
 
 __all__ = ["StagePlanner", "PlanPredictionWarning"]
