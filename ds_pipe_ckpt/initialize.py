@@ -152,7 +152,7 @@ def _known_buffers(engine: Any) -> tuple:
     pipeline allocates in every backward, one per gradient dtype (DeepSpeed's
     ``ipg_buckets``; float32 where the optimizer does not show them: the
     gradient accumulation type under bf16)."""
-    from .planning.stage import KnownBuffer  # the planner is optional machinery
+    from .planning.stage_problem import KnownBuffer  # the planner is optional machinery
 
     stage = engine.zero_optimization_stage()
     if stage not in (1, 2):

@@ -18,7 +18,16 @@ Inside a pipeline stage (``PipelineModule.enable_planning``):
 
 * :mod:`.profile`: each layer's figures, measured on a training micro-batch;
 * :mod:`.stage`: :class:`~.stage.StagePlanner`, which measures, plans, follows
-  the plan and checks its prediction;
+  the plan and checks its prediction, through:
+* :mod:`.stage_measurement`: the stage's layers run one checkpointed region
+  each, measured (the measuring step, a pass at another length);
+* :mod:`.stage_lengths`: variable-length micro-batches: the bucket of each, the
+  stage measured at every bucket edge;
+* :mod:`.stage_problem` (pure): the solver's problem from those figures, with what
+  the measuring step showed beyond the model, at every length; the floor's words;
+* :mod:`.stage_budget`: the budget ``max_memory_mb`` leaves, the error when
+  no plan fits, and the verdict on a checked step (``PREDICTION_TOLERANCE``);
+* :mod:`.step_tracking`: one step's memory, from its start to the optimizer step;
 * :mod:`.stage_phase`: the stage's phases (measuring, checking, replan due,
   planned, unplannable) and :func:`~.stage_phase.next_phase`, the one way
   between them;

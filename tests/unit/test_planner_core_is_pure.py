@@ -18,6 +18,7 @@ CORE_MODULES = (
     "ds_pipe_ckpt.planning.partition",
     "ds_pipe_ckpt.planning.planned",
     "ds_pipe_ckpt.planning.stage_phase",
+    "ds_pipe_ckpt.planning.stage_problem",
 )
 FORBIDDEN = ("torch", "deepspeed")
 
