@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ds_pipe_ckpt.planning.stage import MAX_CALIBRATIONS
+from ds_pipe_ckpt.planning.stage_budget import MAX_CALIBRATIONS
 
 from .pipeline_modes import PipelineMode
 from .pipeline_report import MIB, PLANNED, UNIFORM_BEST, ModeSummary, infeasible_minimum

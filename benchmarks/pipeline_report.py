@@ -10,7 +10,7 @@ import textwrap
 from dataclasses import asdict, dataclass
 from typing import Iterable, Sequence
 
-from ds_pipe_ckpt.planning.stage import PREDICTION_TOLERANCE
+from ds_pipe_ckpt.planning.stage_budget import PREDICTION_TOLERANCE
 
 __all__ = ["ModeSummary", "TargetCheck", "summarize", "check_targets", "check_budget_targets", "markdown",
            "document", "write_json", "write_png", "write_budget_png", "MIB"]
