@@ -73,7 +73,7 @@ import torch  # noqa: E402
 from ds_pipe_ckpt.testing import RankFailure, run_ranks  # noqa: E402
 from examples.gpt.data import load_corpus  # noqa: E402
 
-from .checkpointing.runner import machine_info  # noqa: E402
+from .common import machine_info  # noqa: E402
 from .pipeline_budget import (PLANNED, BudgetOutcome, budget_records, infeasible_minimum,  # noqa: E402
                               planned_mode, stage_budgets, uniform_best, uniform_modes)
 from .pipeline_lengths import MEASURED_STEPS, LengthSchedule, length_records, length_schedule  # noqa: E402
