@@ -27,15 +27,13 @@ import os
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
-import platform  # noqa: E402
 import sys  # noqa: E402
 from typing import Sequence  # noqa: E402
 
-import deepspeed  # noqa: E402
 import torch  # noqa: E402
 
 from ds_pipe_ckpt.testing import run_ranks  # noqa: E402
+from ..common import machine_info  # noqa: E402
 from .call_profile import profile_variant  # noqa: E402
 from .floor import checkpointing_floor, segment_sizes  # noqa: E402
 from .measure import Result, Stage, measure_in_rank, measure_variants  # noqa: E402
@@ -48,39 +46,6 @@ __all__ = ["main"]
 FULL_REPETITIONS = 15
 QUICK_REPETITIONS = 5
 WARMUP = 1
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def machine_info(device: torch.device, threads: int) -> dict:
-    """Where and with what the benchmark ran."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = f"{_cpu_model()}, {os.cpu_count()} logical CPUs, {threads} torch threads"
-    return {
-        "device": f"{device.type}: {name}",
-        "summary": (f"{device.type}: {name}; torch {torch.__version__}, deepspeed {deepspeed.__version__}, "
-                    f"Python {platform.python_version()}, {platform.system()} {platform.release()}"),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "deepspeed": deepspeed.__version__,
-        "cpu": _cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": threads,
-        "load_average_at_start": os.getloadavg(),
-        "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
 
 
 def _unavailable(variants: Sequence[Variant], device: torch.device) -> dict[str, str]:

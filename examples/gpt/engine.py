@@ -1,6 +1,6 @@
 """The GPT pipeline for one DeepSpeed config: topology, module and engine.
 
-Shared by ``examples/gpt/train.py`` and ``benchmarks/pipeline.py`` so that
+Shared by ``examples/gpt/train.py`` and ``benchmarks/pipeline/models.py`` so that
 both run exactly the same model.
 """
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from benchmarks.pipeline_modes import (PRESETS, PipelineMode, base_config, layouts, merge_config,
+from benchmarks.pipeline.modes import (PRESETS, PipelineMode, base_config, layouts, merge_config,
                                        micro_batches_in_flight, modes)
-from benchmarks.pipeline_report import check_targets, document, markdown, summarize, write_json, write_png
+from benchmarks.pipeline.report import check_targets, document, markdown, summarize, write_json, write_png
 
 MIB = 2**20
 
@@ -144,7 +144,7 @@ def test_png_has_a_panel_per_depth(tmp_path):
 
 
 def test_command_line_model_sizes_override_the_preset():
-    from benchmarks.pipeline import _parser, _preset
+    from benchmarks.pipeline.runner import _parser, _preset
 
     preset = _preset(_parser().parse_args(["--quick", "--dim", "128", "--context", "32"]))
     assert (preset.model.dim, preset.model.context, preset.model.blocks) == (128, 32, PRESETS["quick"].model.blocks)
@@ -155,8 +155,8 @@ def test_command_line_model_sizes_override_the_preset():
 
 
 def test_command_line_chooses_the_model_depths_and_timed_steps():
-    from benchmarks.pipeline import _parser, _preset
-    from benchmarks.pipeline_models import EncoderConfig, model_description, model_name
+    from benchmarks.pipeline.runner import _parser, _preset
+    from benchmarks.pipeline.models import EncoderConfig, model_description, model_name
 
     preset = _preset(_parser().parse_args(["--model", "encoder", "--blocks", "8", "--pp", "2", "4", "2",
                                            "--timed-steps", "3"]))
@@ -182,10 +182,10 @@ def test_command_line_chooses_the_model_depths_and_timed_steps():
 
 # -- --budget: planned against the best uniform interval ----------------------------------
 
-from benchmarks.pipeline_budget import (PLANNED, UNIFORM_BEST, BudgetOutcome, budget_records,  # noqa: E402
+from benchmarks.pipeline.budget import (PLANNED, UNIFORM_BEST, BudgetOutcome, budget_records,  # noqa: E402
                                         infeasible_minimum, planned_mode, stage_budgets, uniform_best,
                                         uniform_modes)
-from benchmarks.pipeline_report import check_budget_targets, write_budget_png  # noqa: E402
+from benchmarks.pipeline.report import check_budget_targets, write_budget_png  # noqa: E402
 
 
 def _rank_record(mode, stage, peak_mib, step_s, **extra):

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.pipeline --lengths`` (benchmarks.pipeline_lengths, its
+"""``python -m benchmarks.pipeline --lengths`` (benchmarks.pipeline.lengths, its
 rank side and its report): the schedule of lengths, the configurations'
 configs, the rows, the target line and the JSON, from records as the rank
 processes return them (a fake ``run_ranks``), and one tiny real launch of the
@@ -12,13 +12,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import benchmarks.pipeline as pipeline_cli
-from benchmarks.pipeline import _parser, main
-from benchmarks.pipeline_budget import PLANNED_WARMUP_STEPS
-from benchmarks.pipeline_lengths import (ADAPTIVE, MEASURED_STEPS, NONE, STATIC, UNIFORM_BEST, adaptive_mode,
+import benchmarks.pipeline.runner as pipeline_cli
+from benchmarks.pipeline.runner import _parser, main
+from benchmarks.pipeline.budget import PLANNED_WARMUP_STEPS
+from benchmarks.pipeline.lengths.runner import (ADAPTIVE, MEASURED_STEPS, NONE, STATIC, UNIFORM_BEST, adaptive_mode,
                                          length_records, length_schedule, static_mode)
-from benchmarks.pipeline_lengths_report import comparison, lengths_document, lengths_markdown, target_line
-from benchmarks.pipeline_report import MIB
+from benchmarks.pipeline.lengths.report import comparison, lengths_document, lengths_markdown, target_line
+from benchmarks.pipeline.report import MIB
 from ds_pipe_ckpt.testing import RankFailure
 
 BUDGETS = [int(4 * MIB), int(2 * MIB)]  # 0.5 x the none peaks at the maximum (8 and 4 MiB)
@@ -219,9 +219,9 @@ def test_a_tiny_launch_measures_every_configuration():
     planned ones within their budgets from the planner's own steps on."""
     import dataclasses
 
-    from benchmarks.pipeline_lengths_rank import measure_lengths
-    from benchmarks.pipeline_models import EncoderConfig
-    from benchmarks.pipeline_modes import PRESETS
+    from benchmarks.pipeline.lengths.rank import measure_lengths
+    from benchmarks.pipeline.models import EncoderConfig
+    from benchmarks.pipeline.modes import PRESETS
     from ds_pipe_ckpt.testing import run_ranks
 
     # Sequences long for a narrow model, so that the activations, which plans control, are most of

@@ -1,5 +1,5 @@
 """``python -m benchmarks.pipeline --partition planned``
-(benchmarks.pipeline_partition and its report), driven by a fake launcher
+(benchmarks.pipeline.partition and its report), driven by a fake launcher
 that returns rank records as the rank processes do: the modes and budgets,
 the choice of the best uniform interval per partition, the fallback to one
 launch per row when a planner fails, the tables, the target line and the
@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.pipeline import _parser, _preset
-from benchmarks.pipeline_modes import Layout
-from benchmarks.pipeline_partition import (PLANNED_PARTITION, PLANNER, measured_modes, partition_rows,
+from benchmarks.pipeline.runner import _parser, _preset
+from benchmarks.pipeline.modes import Layout
+from benchmarks.pipeline.partition.runner import (PLANNED_PARTITION, PLANNER, measured_modes, partition_rows,
                                            planner_mode, shared_budget)
-from benchmarks.pipeline_partition_report import (comparison, partition_document, partition_markdown, target_line,
+from benchmarks.pipeline.partition.report import (comparison, partition_document, partition_markdown, target_line,
                                                   write_partition_png)
-from benchmarks.pipeline_report import MIB, summarize
+from benchmarks.pipeline.report import MIB, summarize
 from ds_pipe_ckpt.testing import RankFailure
 
 # Per mode: (peak MiB of stage 0, of stage 1, step seconds). The budget at 0.5 x

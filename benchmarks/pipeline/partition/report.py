@@ -1,5 +1,5 @@
 """The report of ``python -m benchmarks.pipeline --partition planned``
-(:mod:`benchmarks.pipeline_partition`): one table per pipeline depth and
+(:mod:`benchmarks.pipeline.partition.runner`): one table per pipeline depth and
 budget, the target line and a plot."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import textwrap
 from dataclasses import dataclass
 from typing import Sequence
 
-from .pipeline_partition import DEEPSPEED_PARTITIONS, PLANNED_PARTITION, PLANNER, UNIFORM_BEST
-from .pipeline_report import MIB, ModeSummary, summarize
+from .runner import DEEPSPEED_PARTITIONS, PLANNED_PARTITION, PLANNER, UNIFORM_BEST
+from ..report import MIB, ModeSummary, summarize
 
 __all__ = ["PARTITION_TARGET", "RowResult", "comparison", "partition_markdown", "partition_document",
            "write_partition_png"]

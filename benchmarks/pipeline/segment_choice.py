@@ -1,5 +1,5 @@
 """Which segments to checkpoint, on a GPT stage with a large vocabulary, beside
-upstream's reentrant path: ``python -m benchmarks.segment_choice``.
+upstream's reentrant path: ``python -m benchmarks.pipeline.segment_choice``.
 
 The GPT example (tied token embedding and LM head, position table, blocks,
 final norm) at pp=2 with ``activation_checkpoint_interval`` 1 and no

@@ -1,5 +1,5 @@
 """One rank's side of ``python -m benchmarks.pipeline --lengths``
-(:mod:`benchmarks.pipeline_lengths`): every configuration's engine at one
+(:mod:`benchmarks.pipeline.lengths.runner`): every configuration's engine at one
 pipeline depth, built with ``PipelineModule(dynamic_shape=True)`` and fed
 micro-batches of the schedule's lengths, as fine-tuning pads each micro-batch
 to its own longest sample.
@@ -7,7 +7,7 @@ to its own longest sample.
 Records, this rank's (each with ``record``, ``pp``, ``rank``):
 
 * ``"maximum"``: ``none`` and each uniform interval at the maximum length,
-  as :func:`benchmarks.pipeline_report.summarize` reads them (peak, step times);
+  as :func:`benchmarks.pipeline.report.summarize` reads them (peak, step times);
 * ``"choice"`` (rank 0 only): per budget fraction, each stage's budget
   (``budgets_bytes``, stage 0 first) and the ``uniform_best`` mode, or None;
 * ``"run"``: per configuration on the variable lengths (``config``: none,
@@ -36,12 +36,12 @@ from ds_pipe_ckpt.memory import track_cpu_allocations, track_memory
 from ds_pipe_ckpt.planning.cost_model import Decision
 from examples.gpt.engine import pipeline_topology
 
-from .pipeline_budget import stage_budgets, uniform_best, uniform_modes
-from .pipeline_lengths import (ADAPTIVE, NONE, SELECTION_STEPS, STATIC, UNIFORM_BEST, LengthSchedule, adaptive_mode,
+from ..budget import stage_budgets, uniform_best, uniform_modes
+from .runner import (ADAPTIVE, NONE, SELECTION_STEPS, STATIC, UNIFORM_BEST, LengthSchedule, adaptive_mode,
                                static_mode)
-from .pipeline_models import EncoderConfig, LlamaSizes, _encoder_specs, default_partition, model_description
-from .pipeline_modes import PipelineMode, Preset, base_config, merge_config, micro_batches_in_flight, modes
-from .pipeline_report import summarize
+from ..models import EncoderConfig, LlamaSizes, _encoder_specs, default_partition, model_description
+from ..modes import PipelineMode, Preset, base_config, merge_config, micro_batches_in_flight, modes
+from ..report import summarize
 
 __all__ = ["measure_lengths"]
 
@@ -68,7 +68,7 @@ def _micro_batches(model: EncoderConfig | LlamaSizes, micro_batch: int, lengths:
 
 def _build_engine(model: EncoderConfig | LlamaSizes, config: dict, topology: Any) -> Any:
     """The model's pipeline with ``dynamic_shape=True`` (the benchmark's models
-    are built with fixed shapes by :func:`benchmarks.pipeline_models.build_engine`)."""
+    are built with fixed shapes by :func:`benchmarks.pipeline.models.build_engine`)."""
     if isinstance(model, LlamaSizes):
         from examples.llama.model import CHECKPOINTABLE_LAYERS, causal_lm_loss, llama_layer_specs, prepare_config
 

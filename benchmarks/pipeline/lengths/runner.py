@@ -4,21 +4,21 @@ the planner's plan per length (``adaptive``) against one plan made for the
 longest micro-batch (``static``) and the best uniform interval that fits at the
 longest (``uniform_best``).
 
-Per pipeline depth, one launch (:mod:`benchmarks.pipeline_lengths_rank`) runs:
+Per pipeline depth, one launch (:mod:`benchmarks.pipeline.lengths.rank`) runs:
 
 1. At the maximum length (the model's context), ``none`` (no checkpointing)
    and every uniform ``activation_checkpoint_interval`` k (non-reentrant): one
    warm-up and one measured step each, then :data:`SELECTION_STEPS` timed
    steps each, round-robin. Each stage's budget at fraction F is F x its
    ``none`` peak; ``uniform_best`` is the fastest of them whose peak fits
-   every stage's budget (:func:`benchmarks.pipeline_budget.uniform_best`).
+   every stage's budget (:func:`benchmarks.pipeline.budget.uniform_best`).
 2. On one seeded schedule of micro-batch lengths drawn uniformly between a
    quarter of the maximum and the maximum (:func:`length_schedule`), the same
    for every configuration: ``none``, each distinct ``uniform_best``, and per
    F ``adaptive`` (``memory_budget_mb`` and ``max_sequence_length``, the default
    ``length_buckets``) and ``static`` (the same with ``"length_buckets": 1``).
    Each runs the warm-up steps (the planner's own first steps and possible
-   plans made again: :data:`benchmarks.pipeline_budget.PLANNED_WARMUP_STEPS`),
+   plans made again: :data:`benchmarks.pipeline.budget.PLANNED_WARMUP_STEPS`),
    then the measured steps (each stage's peak around ``train_batch``), then
    the timed steps, round-robin across the configurations, without the
    profiler.
@@ -37,8 +37,8 @@ from typing import Callable, Mapping
 
 from ds_pipe_ckpt.testing import RankFailure
 
-from .pipeline_budget import PLANNED_WARMUP_STEPS, planned_mode
-from .pipeline_modes import PipelineMode, merge_config
+from ..budget import PLANNED_WARMUP_STEPS, planned_mode
+from ..modes import PipelineMode, merge_config
 
 __all__ = ["ADAPTIVE", "STATIC", "NONE", "UNIFORM_BEST", "MEASURED_STEPS", "SELECTION_STEPS", "LengthSchedule",
            "length_schedule", "adaptive_mode", "static_mode", "length_records", "LengthLauncher"]

@@ -1,5 +1,5 @@
 """Present ``python -m benchmarks.pipeline --lengths`` results
-(:mod:`benchmarks.pipeline_lengths`): one table per pipeline depth and budget,
+(:mod:`benchmarks.pipeline.lengths.runner`): one table per pipeline depth and budget,
 the target line (the adaptive plan's mean step time at most 0.90 x the static
 plan's, with no step over budget) and the JSON document. Pure functions of
 the per-rank records."""
@@ -10,8 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from .pipeline_lengths import ADAPTIVE, NONE, STATIC, UNIFORM_BEST, LengthSchedule
-from .pipeline_report import MIB, infeasible_minimum
+from .runner import ADAPTIVE, NONE, STATIC, UNIFORM_BEST, LengthSchedule
+from ..report import MIB, infeasible_minimum
 
 __all__ = ["TARGET_RATIO", "LengthRow", "comparison", "target_line", "lengths_markdown", "lengths_document"]
 

@@ -13,7 +13,7 @@ Run from the repository root::
     python -m benchmarks.pipeline --lengths --model encoder --pp 2 --budget 0.5 0.7 --timed-steps 10
 
 For each pipeline depth (pp=2; also pp=4 without ``--quick``) and mode
-(:mod:`benchmarks.pipeline_modes`: none, reentrant, non_reentrant, selective,
+(:mod:`benchmarks.pipeline.modes`: none, reentrant, non_reentrant, selective,
 partitioned at mp=2, cpu_offload), every rank runs ``engine.train_batch()``
 with gradient accumulation 2 x pp and reports the peak memory of one step
 above what was allocated when it began (:mod:`ds_pipe_ckpt.memory`) and its
@@ -26,7 +26,7 @@ launch per world size. On CUDA when available, else CPU (gloo).
 With ``--budget F ...`` it also runs, per depth and fraction F, the planner
 under budgets of F times each stage's peak without checkpointing (``planned``)
 and finds the fastest uniform ``activation_checkpoint_interval`` that fits the
-same budgets (``uniform_best``): :mod:`benchmarks.pipeline_budget`. Every
+same budgets (``uniform_best``): :mod:`benchmarks.pipeline.budget`. Every
 step of a planned run that is measured (the planner's measuring step, each
 planned step it checks, the first one included, and the benchmark's measured
 step) is reported with its peak, and the planned steps over their budget are
@@ -38,7 +38,7 @@ partition (``pipeline.partition_method = "planned"``: stage boundaries chosen
 with each stage's checkpointing) with DeepSpeed's ``"parameters"`` and
 ``"uniform"`` partitions, each with its best uniform interval and with the
 per-stage planner, under one budget on every stage
-(:mod:`benchmarks.pipeline_partition`); ``--png P`` then plots step time per
+(:mod:`benchmarks.pipeline.partition.runner`); ``--png P`` then plots step time per
 budget and configuration.
 
 With ``--lengths --budget F ...`` (``--model encoder`` or ``llama``) the
@@ -47,7 +47,7 @@ drawn uniformly from a quarter of the context to the context): the planner
 with a plan per length bucket (``adaptive``) against one plan made for the
 longest micro-batch (``static``) and the best uniform interval that fits at
 the longest, every measured step's peak against its budget, in one launch
-per depth (:mod:`benchmarks.pipeline_lengths`).
+per depth (:mod:`benchmarks.pipeline.lengths.runner`).
 """
 
 from __future__ import annotations
@@ -73,18 +73,18 @@ import torch  # noqa: E402
 from ds_pipe_ckpt.testing import RankFailure, run_ranks  # noqa: E402
 from examples.gpt.data import load_corpus  # noqa: E402
 
-from .common.machine import machine_info  # noqa: E402
-from .pipeline_budget import (PLANNED, BudgetOutcome, budget_records, infeasible_minimum,  # noqa: E402
-                              planned_mode, stage_budgets, uniform_best, uniform_modes)
-from .pipeline_lengths import MEASURED_STEPS, LengthSchedule, length_records, length_schedule  # noqa: E402
-from .pipeline_lengths_rank import measure_lengths  # noqa: E402
-from .pipeline_lengths_report import lengths_document, lengths_markdown  # noqa: E402
-from .pipeline_models import MODEL_NAMES, EncoderConfig, LlamaSizes, model_description  # noqa: E402
-from .pipeline_partition import partition_rows  # noqa: E402
-from .pipeline_partition_report import partition_document, partition_markdown, write_partition_png  # noqa: E402
-from .pipeline_modes import PRESETS, Layout, PipelineMode, Preset, layouts, modes  # noqa: E402
-from .pipeline_rank import measure_layouts  # noqa: E402
-from .pipeline_report import markdown, summarize, write_budget_png, write_json, write_png  # noqa: E402
+from ..common import machine_info  # noqa: E402
+from .budget import (PLANNED, BudgetOutcome, budget_records, infeasible_minimum,  # noqa: E402
+                     planned_mode, stage_budgets, uniform_best, uniform_modes)
+from .lengths.runner import MEASURED_STEPS, LengthSchedule, length_records, length_schedule  # noqa: E402
+from .lengths.rank import measure_lengths  # noqa: E402
+from .lengths.report import lengths_document, lengths_markdown  # noqa: E402
+from .models import MODEL_NAMES, EncoderConfig, LlamaSizes, model_description  # noqa: E402
+from .partition.runner import partition_rows  # noqa: E402
+from .partition.report import partition_document, partition_markdown, write_partition_png  # noqa: E402
+from .modes import PRESETS, Layout, PipelineMode, Preset, layouts, modes  # noqa: E402
+from .rank import measure_layouts  # noqa: E402
+from .report import markdown, summarize, write_budget_png, write_json, write_png  # noqa: E402
 
 __all__ = ["main"]
 
@@ -215,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _partition_main(args: argparse.Namespace, preset: Preset, cache_dir: str | None, device: torch.device,
                     cores: int, machine: dict, start: float) -> int:
-    """``--partition planned``: the comparison of :mod:`benchmarks.pipeline_partition`."""
+    """``--partition planned``: the comparison of :mod:`benchmarks.pipeline.partition.runner`."""
     records: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="ds_pipe_ckpt-partition-") as directory:
         for pp in preset.pipeline_depths:
@@ -240,7 +240,7 @@ def _partition_main(args: argparse.Namespace, preset: Preset, cache_dir: str | N
 
 def _lengths_main(args: argparse.Namespace, preset: Preset, device: torch.device, cores: int, machine: dict,
                   start: float) -> int:
-    """``--lengths``: the comparison of :mod:`benchmarks.pipeline_lengths`, one launch per depth."""
+    """``--lengths``: the comparison of :mod:`benchmarks.pipeline.lengths.runner`, one launch per depth."""
     schedules = {pp: length_schedule(preset.model.context, preset.accumulation_per_stage * pp, preset.timed_steps,
                                      measured=args.measured_steps) for pp in preset.pipeline_depths}
 

@@ -32,9 +32,9 @@ from typing import Callable, Sequence
 
 from ds_pipe_ckpt.testing import RankFailure
 
-from .pipeline_budget import PLANNED_WARMUP_STEPS, uniform_best, uniform_modes
-from .pipeline_modes import Layout, PipelineMode, merge_config
-from .pipeline_report import MIB, ModeSummary, summarize
+from ..budget import PLANNED_WARMUP_STEPS, uniform_best, uniform_modes
+from ..modes import Layout, PipelineMode, merge_config
+from ..report import MIB, ModeSummary, summarize
 
 __all__ = ["DEEPSPEED_PARTITIONS", "PLANNED_PARTITION", "UNIFORM_BEST", "PLANNER", "measured_modes",
            "planner_mode", "shared_budget", "partition_rows", "Launcher"]

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 from ds_pipe_ckpt.planning.stage_budget import MAX_CALIBRATIONS
 
-from .pipeline_modes import PipelineMode
-from .pipeline_report import MIB, PLANNED, UNIFORM_BEST, ModeSummary, infeasible_minimum
+from .modes import PipelineMode
+from .report import MIB, PLANNED, UNIFORM_BEST, ModeSummary, infeasible_minimum
 
 __all__ = ["PLANNED", "UNIFORM_BEST", "BudgetOutcome", "uniform_modes", "planned_mode", "stage_budgets",
            "uniform_best", "budget_records", "infeasible_minimum"]

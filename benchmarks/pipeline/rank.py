@@ -1,5 +1,5 @@
 """One rank's side of ``python -m benchmarks.pipeline``: build the model's pipeline
-engine (:mod:`benchmarks.pipeline_models`) for every mode of a layout, measure the memory of one
+engine (:mod:`benchmarks.pipeline.models`) for every mode of a layout, measure the memory of one
 ``engine.train_batch()`` and time several.
 
 Run in rank processes by :func:`ds_pipe_ckpt.testing.run_ranks` (one launch
@@ -29,9 +29,9 @@ from ds_pipe_ckpt.memory import MemoryReport, track_cpu_allocations, track_memor
 from examples.gpt.data import Corpus, load_corpus
 from examples.gpt.engine import pipeline_topology
 
-from .pipeline_models import build_engine, model_description, training_batches
-from .pipeline_modes import Layout, PipelineMode, Preset, base_config, merge_config, micro_batches_in_flight
-from .pipeline_modes import modes as all_modes
+from .models import build_engine, model_description, training_batches
+from .modes import Layout, PipelineMode, Preset, base_config, merge_config, micro_batches_in_flight
+from .modes import modes as all_modes
 
 __all__ = ["measure_layouts", "model_description"]
 
@@ -189,7 +189,7 @@ def measure_layouts(layouts: Sequence[Layout], preset: Preset, cache_dir: str | 
     """This rank's records for every layout (all of the launch's world size):
     one per mode measured, plus one ``{"unavailable": message, ...}`` per mode
     whose config ``ds_pipe_ckpt.initialize`` rejected. The layouts name their
-    modes among ``mode_list`` (default: :func:`benchmarks.pipeline_modes.modes`).
+    modes among ``mode_list`` (default: :func:`benchmarks.pipeline.modes.modes`).
     Run by ``run_ranks``."""
     mode_list = all_modes() if mode_list is None else mode_list
     torch.set_num_threads(threads)
