@@ -7,12 +7,17 @@ predicted peak memory, with its micro-batches in flight, stays within a
 budget. The cost model and the solver are pure Python (no torch): the
 layers' figures come in as :class:`LayerProfile` s.
 
-* :mod:`.cost_model`: the problem (:class:`LayerProfile`, :class:`StageProblem`),
-  plans (:class:`Segment`, :class:`Decision`) and their predicted peak
-  (:func:`predicted_peak_bytes`) and recomputation time (:func:`recompute_seconds`).
-* :mod:`.solver`: the exact optimiser :func:`plan_stage`, returning a
-  :class:`StagePlan` or raising :class:`InfeasibleBudgetError` with the least
-  feasible budget, also given by :func:`minimum_peak_bytes`.
+* :mod:`.problem`: the problem, the layers' figures (:class:`LayerProfile`)
+  and what the plan must fit (:class:`StageProblem`);
+* :mod:`.plan`: plans, :class:`Segment` s of the chain each with a
+  :class:`Decision`, and :class:`StagePlan`, the plan the solver chooses;
+* :mod:`.cost_model`: a plan's predicted peak (:func:`predicted_peak_bytes`)
+  and recomputation time (:func:`recompute_seconds`);
+* :mod:`.solver`: the exact optimiser :func:`plan_stage`, with the bounds it
+  prunes with in :mod:`.search_bounds` and, for a backward that keeps the
+  graph, :mod:`.kept_graph_solver`;
+* :mod:`.minimum_budget`: the least feasible budget, :func:`minimum_peak_bytes`,
+  and :class:`InfeasibleBudgetError`, which :func:`plan_stage` raises with it.
 
 Inside a pipeline stage (``PipelineModule.enable_planning``):
 
@@ -42,9 +47,11 @@ Example::
     plan.checkpoint_boundaries  # ((start, end), ...) of the checkpointed calls
 """
 
-from .cost_model import (Decision, LayerProfile, Segment, StageProblem, predicted_peak_bytes,
-                         recompute_seconds)
-from .solver import InfeasibleBudgetError, StagePlan, minimum_peak_bytes, plan_stage
+from .cost_model import predicted_peak_bytes, recompute_seconds
+from .minimum_budget import InfeasibleBudgetError, minimum_peak_bytes
+from .plan import Decision, Segment, StagePlan
+from .problem import LayerProfile, StageProblem
+from .solver import plan_stage
 
 __all__ = [
     "LayerProfile",

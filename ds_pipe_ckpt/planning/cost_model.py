@@ -1,24 +1,13 @@
 """The memory and time model of one pipeline stage under an activation
-checkpointing plan.
+checkpointing plan: what a plan (:mod:`.plan`) of a problem (:mod:`.problem`)
+is predicted to peak at, and how long it recomputes.
 
-A stage runs a chain of ``n`` layers. Layer ``i`` is described by a
-:class:`LayerProfile`:
-
-* ``input_bytes`` x_i: bytes of the layer's input tensor(s), which is what a
-  checkpoint region starting at layer ``i`` keeps;
-* ``saved_bytes`` a_i: bytes autograd saves for backward when the layer runs
-  without checkpointing;
-* ``forward_s`` t_i: seconds of its forward, the cost of a full recomputation;
-* optionally ``selective_saved_bytes`` s_i (<= a_i) and
-  ``selective_recompute_s`` r_i: what the layer saves, and what recomputing it
-  costs, under selective (op-level) checkpointing, which keeps the outputs of
-  matmuls, attention and convolutions and recomputes the rest. When either is
-  None, selective checkpointing is not available for the layer;
-* ``grad_bytes`` g_i: bytes of the gradients of its parameters when they are
-  allocated during the step (by its backward; 0 when they outlive steps);
-* ``input_saved_bytes`` v_i (<= a_i, <= x_i): the part of a_i that is the
-  layer's own input. A checkpoint region starting at layer ``i`` holds that
-  input anyway, so its recomputation does not add it again.
+This module prices plans. It must not search for one (that is
+:mod:`.solver`) nor hold the problem's or the plan's types; it imports no
+torch. The layer figures x_i (input bytes), a_i (saved bytes), t_i (forward
+seconds), s_i and r_i (selective saved bytes and recompute seconds), g_i
+(gradient bytes) and v_i (the saved bytes that are the layer's input) are
+those of :class:`~.problem.LayerProfile`.
 
 A plan splits the chain into consecutive :class:`Segment` s ``[start, end)``,
 each with a :class:`Decision`. Each segment has a *held* size (bytes kept from
@@ -44,12 +33,7 @@ sum (a_i - s_i).
 The last segment's transient is at least ``held_gradient_bytes`` and
 ``backward_start_bytes`` (below).
 
-SELECTIVE needs the selective figures of every layer of the segment;
-CHECKPOINT and SELECTIVE need every layer of the segment to be
-``checkpointable`` (a layer that is not, e.g. one excluded by the pipeline's
-``checkpointable_layers``, is always stored).
-Adjacent STORE segments are equivalent to one STORE segment; CHECKPOINT and
-SELECTIVE segments are separate checkpoint regions even when adjacent.
+Which decisions a segment may take is said in :mod:`.plan`.
 
 With ``k`` micro-batches in flight on the stage (DeepSpeed's 1F1B
 TrainSchedule gives stage ``s`` of ``pp`` ``min(pp - s, micro_batches)``) and
@@ -97,12 +81,14 @@ addition. :func:`recompute_seconds` is that exact sum rounded once to a float.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 from dataclasses import dataclass
 from fractions import Fraction
 from itertools import accumulate
 from typing import Iterable, Sequence
+
+from .plan import Decision, Segment, validate_segments
+from .problem import LayerProfile, StageProblem
 
 # Allocations too small for the model to place (the loss, its scalars, the engine's
 # small tensors) vary a little between steps: the planners count this share of the
@@ -112,164 +98,13 @@ SMALL_ALLOCATIONS_SHARE = 0.01
 SMALL_ALLOCATIONS_MIN_BYTES = 4096
 
 __all__ = [
-    "LayerProfile",
-    "StageProblem",
-    "Decision",
-    "Segment",
     "SegmentCost",
     "ChainCosts",
     "peak_of_costs",
-    "validate_segments",
-    "merged_segments",
     "gradients_as_base",
     "predicted_peak_bytes",
     "recompute_seconds",
 ]
-
-
-def _require_int(owner: str, field: str, value: object, minimum: int) -> None:
-    """Raises unless ``value`` is an int (not a bool) and at least ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{owner}: {field} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{owner}: {field} must be >= {minimum}, got {value}")
-
-
-def _require_seconds(owner: str, field: str, value: object) -> None:
-    """Raises unless ``value`` is a finite, non-negative int or float."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{owner}: {field} must be a number of seconds, got {value!r} ({type(value).__name__})")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{owner}: {field} must be finite and >= 0, got {value!r}")
-
-
-@dataclass(frozen=True)
-class LayerProfile:
-    """The measured figures of one layer (see the module docstring for their meaning).
-
-    Raises TypeError or ValueError, naming the layer and the field, for a
-    negative or non-numeric figure, a non-finite time, or
-    ``selective_saved_bytes > saved_bytes``. ``selective_recompute_s`` may
-    exceed ``forward_s`` (measurement noise); the solver then simply prefers
-    CHECKPOINT.
-    """
-
-    name: str
-    input_bytes: int
-    saved_bytes: int
-    forward_s: float
-    selective_saved_bytes: int | None = None
-    selective_recompute_s: float | None = None
-    checkpointable: bool = True
-    grad_bytes: int = 0
-    input_saved_bytes: int = 0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"LayerProfile: name must be a non-empty str, got {self.name!r}")
-        owner = f"LayerProfile {self.name!r}"
-        _require_int(owner, "input_bytes", self.input_bytes, 0)
-        _require_int(owner, "saved_bytes", self.saved_bytes, 0)
-        _require_seconds(owner, "forward_s", self.forward_s)
-        if self.selective_saved_bytes is not None:
-            _require_int(owner, "selective_saved_bytes", self.selective_saved_bytes, 0)
-            if self.selective_saved_bytes > self.saved_bytes:
-                raise ValueError(f"{owner}: selective_saved_bytes ({self.selective_saved_bytes}) must not exceed "
-                                 f"saved_bytes ({self.saved_bytes})")
-        if self.selective_recompute_s is not None:
-            _require_seconds(owner, "selective_recompute_s", self.selective_recompute_s)
-        if not isinstance(self.checkpointable, bool):
-            raise TypeError(f"{owner}: checkpointable must be a bool, got {self.checkpointable!r}")
-        _require_int(owner, "grad_bytes", self.grad_bytes, 0)
-        _require_int(owner, "input_saved_bytes", self.input_saved_bytes, 0)
-        if self.input_saved_bytes > min(self.saved_bytes, self.input_bytes):
-            raise ValueError(f"{owner}: input_saved_bytes ({self.input_saved_bytes}) must not exceed saved_bytes "
-                             f"({self.saved_bytes}) nor input_bytes ({self.input_bytes})")
-
-    @property
-    def has_selective(self) -> bool:
-        """Whether selective checkpointing is available (both selective figures given)."""
-        return self.selective_saved_bytes is not None and self.selective_recompute_s is not None
-
-
-@dataclass(frozen=True)
-class StageProblem:
-    """One stage's planning problem.
-
-    ``layers`` (any iterable of :class:`LayerProfile`, stored as a tuple) is the
-    stage's chain in execution order; ``in_flight`` is k, the micro-batches
-    whose activations the stage holds at once; ``budget_bytes`` bounds the
-    predicted peak, which includes ``base_bytes``; ``label`` names the stage in
-    error messages; ``allow_selective=False`` keeps the solver from choosing
-    SELECTIVE (the evaluation functions still price any valid plan);
-    ``backward_keeps_graph`` prices plans for a backward that keeps each
-    micro-batch's stored activations until its end (module docstring).
-
-    Raises TypeError or ValueError naming the field for an empty chain, a
-    non-layer element, ``in_flight < 1`` or a negative byte count.
-    """
-
-    layers: tuple[LayerProfile, ...]
-    in_flight: int
-    budget_bytes: int
-    base_bytes: int = 0
-    label: str = "stage"
-    allow_selective: bool = True
-    held_gradient_bytes: int = 0
-    backward_keeps_graph: bool = False
-    backward_start_bytes: int = 0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.label, str):
-            raise TypeError(f"StageProblem: label must be a str, got {self.label!r}")
-        owner = f"StageProblem {self.label!r}"
-        object.__setattr__(self, "layers", tuple(self.layers))
-        if not self.layers:
-            raise ValueError(f"{owner}: layers must not be empty")
-        for index, layer in enumerate(self.layers):
-            if not isinstance(layer, LayerProfile):
-                raise TypeError(f"{owner}: layers[{index}] must be a LayerProfile, got {type(layer).__name__}")
-        _require_int(owner, "in_flight", self.in_flight, 1)
-        _require_int(owner, "budget_bytes", self.budget_bytes, 0)
-        _require_int(owner, "base_bytes", self.base_bytes, 0)
-        _require_int(owner, "held_gradient_bytes", self.held_gradient_bytes, 0)
-        _require_int(owner, "backward_start_bytes", self.backward_start_bytes, 0)
-        if not isinstance(self.allow_selective, bool):
-            raise TypeError(f"{owner}: allow_selective must be a bool, got {self.allow_selective!r}")
-        if not isinstance(self.backward_keeps_graph, bool):
-            raise TypeError(f"{owner}: backward_keeps_graph must be a bool, got {self.backward_keeps_graph!r}")
-
-    @property
-    def num_layers(self) -> int:
-        """n, the length of the chain."""
-        return len(self.layers)
-
-
-class Decision(enum.Enum):
-    """How a segment's activations are kept for backward."""
-
-    STORE = "store"
-    CHECKPOINT = "checkpoint"
-    SELECTIVE = "selective"
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Layers ``[start, end)`` of a stage, all handled by ``decision``.
-
-    Raises TypeError or ValueError naming the field unless
-    ``0 <= start < end`` and ``decision`` is a :class:`Decision`.
-    """
-
-    start: int
-    end: int
-    decision: Decision
-
-    def __post_init__(self) -> None:
-        _require_int("Segment", "start", self.start, 0)
-        _require_int("Segment", "end", self.end, self.start + 1)
-        if not isinstance(self.decision, Decision):
-            raise TypeError(f"Segment: decision must be a Decision, got {self.decision!r}")
 
 
 @dataclass(frozen=True)
@@ -397,47 +232,6 @@ def gradients_as_base(layers: Sequence[LayerProfile], in_flight: int,
         return tuple(layers), 0
     return (tuple(dataclasses.replace(layer, grad_bytes=0) for layer in layers),
             sum(layer.grad_bytes for layer in layers))
-
-
-def merged_segments(steps: Iterable[tuple[int, int, Decision]]) -> tuple[Segment, ...]:
-    """The plan made of ``(start, end, decision)`` steps in chain order, with
-    adjacent STORE steps merged into one segment (they are one and the same)."""
-    segments: list[Segment] = []
-    for start, end, decision in steps:
-        if decision is Decision.STORE and segments and segments[-1].decision is Decision.STORE:
-            start = segments.pop().start
-        segments.append(Segment(start, end, decision))
-    return tuple(segments)
-
-
-def validate_segments(problem: StageProblem, segments: Sequence[Segment]) -> None:
-    """Raises ValueError naming the offending segment unless ``segments`` tile
-    ``[0, n)`` in order, every CHECKPOINT and SELECTIVE segment's layers are
-    checkpointable and every SELECTIVE segment's layers have selective figures."""
-    owner = f"stage {problem.label!r}"
-    position = 0
-    for index, segment in enumerate(segments):
-        if not isinstance(segment, Segment):
-            raise TypeError(f"{owner}: segments[{index}] must be a Segment, got {type(segment).__name__}")
-        if segment.start != position:
-            raise ValueError(f"{owner}: segments must tile [0, {problem.num_layers}) in order, but segments[{index}] "
-                             f"= [{segment.start}, {segment.end}) starts at {segment.start}, expected {position}")
-        if segment.end > problem.num_layers:
-            raise ValueError(f"{owner}: segments[{index}] = [{segment.start}, {segment.end}) ends past the "
-                             f"{problem.num_layers} layers of the stage")
-        if segment.decision is not Decision.STORE:
-            for layer in problem.layers[segment.start:segment.end]:
-                if not layer.checkpointable:
-                    raise ValueError(f"{owner}: segments[{index}] = [{segment.start}, {segment.end}) is "
-                                     f"{segment.decision.name} but layer {layer.name!r} is not checkpointable")
-        if segment.decision is Decision.SELECTIVE:
-            for layer in problem.layers[segment.start:segment.end]:
-                if not layer.has_selective:
-                    raise ValueError(f"{owner}: segments[{index}] = [{segment.start}, {segment.end}) is SELECTIVE "
-                                     f"but layer {layer.name!r} has no selective figures")
-        position = segment.end
-    if position != problem.num_layers:
-        raise ValueError(f"{owner}: segments must tile [0, {problem.num_layers}), but they end at {position}")
 
 
 def predicted_peak_bytes(problem: StageProblem, segments: Sequence[Segment]) -> int:

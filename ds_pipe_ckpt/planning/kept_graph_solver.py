@@ -24,7 +24,8 @@ from __future__ import annotations
 from bisect import bisect_right
 from typing import Iterable, NamedTuple
 
-from .cost_model import Decision, StageProblem, merged_segments
+from .plan import Decision, merged_segments
+from .problem import StageProblem
 
 __all__ = ["KeptGraphMove", "KeptGraphPlan", "least_kept_graph_peak", "plan_kept_graph"]
 

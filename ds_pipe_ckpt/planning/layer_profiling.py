@@ -45,7 +45,7 @@ from ..compat import require_checkpoint_hooks
 from ..regions import Region, RegionFacts, modules_of
 from ..selective import ops_to_keep
 from ..settings import current_settings
-from .cost_model import LayerProfile
+from .problem import LayerProfile
 from .partition import PartitionProblem
 from .profile import LayerMeter, StorageLedger, synchronize, tensor_bytes
 
@@ -56,7 +56,7 @@ TIMED_RUNS = 3  # plain forward + backward runs per layer after the warm-up; the
 
 @dataclass(frozen=True)
 class LayerChainProfile:
-    """The measured chain: one :class:`~.cost_model.LayerProfile` and one
+    """The measured chain: one :class:`~.problem.LayerProfile` and one
     backward time per layer, and the bytes of the last layer's output."""
 
     layers: tuple[LayerProfile, ...]

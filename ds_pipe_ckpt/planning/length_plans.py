@@ -35,9 +35,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .cost_model import (ChainCosts, Decision, Segment, StageProblem, peak_of_costs, predicted_peak_bytes,
-                         recompute_seconds)
-from .solver import InfeasibleBudgetError, StagePlan, plan_stage
+from .cost_model import ChainCosts, peak_of_costs, predicted_peak_bytes, recompute_seconds
+from .minimum_budget import InfeasibleBudgetError
+from .plan import Decision, Segment, StagePlan
+from .problem import StageProblem
+from .solver import plan_stage
 
 __all__ = ["LengthPlan", "LengthPlans", "plan_lengths", "held_and_single_peak", "TIGHTENINGS"]
 

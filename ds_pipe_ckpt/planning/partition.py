@@ -54,9 +54,11 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from .cost_model import (SMALL_ALLOCATIONS_MIN_BYTES, SMALL_ALLOCATIONS_SHARE, LayerProfile, StageProblem,
-                         gradients_as_base)
-from .solver import InfeasibleBudgetError, StagePlan, plan_stage
+from .cost_model import SMALL_ALLOCATIONS_MIN_BYTES, SMALL_ALLOCATIONS_SHARE, gradients_as_base
+from .minimum_budget import InfeasibleBudgetError
+from .plan import StagePlan
+from .problem import LayerProfile, StageProblem
+from .solver import plan_stage
 
 __all__ = ["PartitionPlan", "PartitionProblem", "InfeasiblePartitionError", "plan_partition", "plan_cut"]
 
@@ -164,7 +166,7 @@ class PartitionProblem:
 @dataclass(frozen=True)
 class PartitionPlan:
     """The chosen cut: ``boundaries`` (the first layer of each stage, then n),
-    each stage's :class:`~.solver.StagePlan` and time per micro-batch, and the
+    each stage's :class:`~.plan.StagePlan` and time per micro-batch, and the
     modelled step time."""
 
     boundaries: tuple[int, ...]

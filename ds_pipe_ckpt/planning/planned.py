@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cost_model import ChainCosts, Decision, StageProblem
+from .cost_model import ChainCosts
 from .length_plans import LengthPlans
-from .solver import StagePlan
+from .plan import Decision, StagePlan
+from .problem import StageProblem
 
 __all__ = ["PlannedStage", "plan_table"]
 

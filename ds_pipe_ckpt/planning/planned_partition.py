@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ..config import SECTION, CheckpointingConfig
 from ..ds_config import load_ds_config, micro_batches_per_step
 from ..errors import ConfigError
-from .cost_model import LayerProfile
+from .problem import LayerProfile
 from .layer_profiling import LayerChainProfile, profile_layer_specs
 from .partition import InfeasiblePartitionError, PartitionPlan, plan_partition
 

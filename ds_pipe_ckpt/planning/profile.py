@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..compat import backward_keeps_graph
 from ..hooks import TransparentHooks, top_hooks
-from .cost_model import LayerProfile
+from .problem import LayerProfile
 
 __all__ = ["LayerMeter", "StorageLedger", "backward_keeps_graph", "synchronize", "tensor_bytes"]
 

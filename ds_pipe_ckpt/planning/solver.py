@@ -6,6 +6,13 @@ peak, then fewest segments (adjacent STORE segments merged); remaining ties go
 to the plan the search meets first, which is deterministic. Times are summed
 exactly (:class:`.cost_model.ChainCosts`), so ties are real ties.
 
+This module is the search (step 3 below) and :func:`plan_stage`, which
+returns a :class:`~.plan.StagePlan`. The bounds of steps 1 and 2 are in
+:mod:`.search_bounds`; the least feasible budget, and the
+:class:`~.minimum_budget.InfeasibleBudgetError` that reports it, in
+:mod:`.minimum_budget`. It must not price segments itself (that is
+:mod:`.cost_model`) nor hold plan or problem types; it imports no torch.
+
 States and dominance
 --------------------
 Write ``cap`` for budget less base. A plan prefix ending at position ``i``
@@ -40,7 +47,7 @@ Algorithm
 1. Backwards, the Pareto fronts of ``(S, L)`` over the suffix plans of each
    position give its least suffix peak ``g_i = min (k-1)*S + L``, least held
    ``Smin_i``, ``Lmin_i`` and most held bytes; ``base + g_0`` is
-   :func:`minimum_peak_bytes`.
+   :func:`~.minimum_budget.minimum_peak_bytes`.
 2. Backwards, layer by layer (a region open or closed at each boundary), the
    Pareto fronts of ``(S, t)`` give the least recompute time of a suffix
    holding at most ``X`` bytes: a lower bound on what a prefix state still
@@ -79,206 +86,17 @@ import gc
 import math
 from bisect import bisect_left, bisect_right
 from contextlib import contextmanager
-from dataclasses import dataclass
-from itertools import takewhile
 from operator import itemgetter
-from typing import Iterator, NamedTuple
+from typing import Iterator
 
-from .cost_model import ChainCosts, Decision, Segment, StageProblem, merged_segments
-from .kept_graph_solver import KeptGraphMove, least_kept_graph_peak, plan_kept_graph
+from .cost_model import ChainCosts
+from .kept_graph_solver import plan_kept_graph
+from .minimum_budget import InfeasibleBudgetError
+from .plan import Segment, StagePlan, merged_segments
+from .problem import StageProblem
+from .search_bounds import Move, Moves, RecomputeBound, SuffixBounds, kept_graph_moves, segment_moves, suffix_bounds
 
-__all__ = ["StagePlan", "InfeasibleBudgetError", "plan_stage", "minimum_peak_bytes"]
-
-MIB = 1 << 20
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    """The chosen plan of one stage.
-
-    ``segments`` tile the stage's layers in order, adjacent STORE segments
-    merged; ``predicted_peak_bytes`` includes the problem's base bytes;
-    ``recompute_s`` is the recomputation time of one micro-batch's backward;
-    ``held_bytes_per_micro_batch`` is H, what one micro-batch's forward holds
-    until its backward.
-    """
-
-    segments: tuple[Segment, ...]
-    predicted_peak_bytes: int
-    recompute_s: float
-    held_bytes_per_micro_batch: int
-
-    def decision_of(self, layer_index: int) -> Decision:
-        """The decision of the segment containing layer ``layer_index``.
-
-        Raises IndexError for an index outside the stage's layers."""
-        if not 0 <= layer_index < self.segments[-1].end:
-            raise IndexError(f"layer_index {layer_index} is outside the stage's layers [0, {self.segments[-1].end})")
-        starts = [segment.start for segment in self.segments]
-        return self.segments[bisect_right(starts, layer_index) - 1].decision
-
-    @property
-    def checkpoint_boundaries(self) -> tuple[tuple[int, int], ...]:
-        """The ``(start, end)`` layer ranges of the checkpoint regions
-        (CHECKPOINT and SELECTIVE segments), in order; each is one
-        checkpointed call over layers ``[start, end)``."""
-        return tuple((segment.start, segment.end) for segment in self.segments
-                     if segment.decision is not Decision.STORE)
-
-
-class InfeasibleBudgetError(ValueError):
-    """No plan of the stage fits its budget.
-
-    ``minimum_bytes`` is the least predicted peak over all plans, i.e. the
-    smallest budget for which :func:`plan_stage` succeeds.
-    """
-
-    def __init__(self, label: str, budget_bytes: int, minimum_bytes: int, in_flight: int) -> None:
-        self.label = label
-        self.budget_bytes = budget_bytes
-        self.minimum_bytes = minimum_bytes
-        self.in_flight = in_flight
-        super().__init__(
-            f"stage {label!r}: no activation checkpointing plan fits the memory budget of "
-            f"{budget_bytes / MIB:.2f} MiB ({budget_bytes} bytes) with {in_flight} micro-batch(es) in flight; "
-            f"the smallest budget that fits is {minimum_bytes / MIB:.2f} MiB ({minimum_bytes} bytes)")
-
-    def __reduce__(self):
-        return type(self), (self.label, self.budget_bytes, self.minimum_bytes, self.in_flight)
-
-
-class _Move(NamedTuple):
-    """One segment a plan can place next, from a known start: layers
-    [start, end). ``rebuild`` is held + transient."""
-
-    end: int
-    held: int
-    rebuild: int
-    units: int
-    decision: Decision
-
-
-@dataclass(frozen=True)
-class _Moves:
-    """The segments starting at each position: the one-layer STORE, and the
-    CHECKPOINT and (when allowed) SELECTIVE regions, each by increasing end."""
-
-    store: tuple[_Move, ...]
-    regions: tuple[tuple[tuple[_Move, ...], ...], ...]
-
-    def all_from(self, start: int) -> Iterator[_Move]:
-        yield self.store[start]
-        for regions in self.regions[start]:
-            yield from regions
-
-
-def _moves(problem: StageProblem, chain: ChainCosts) -> _Moves:
-    """Every segment of the chain with its cost (SELECTIVE only where allowed and available)."""
-    n = problem.num_layers
-
-    def move(start: int, end: int, decision: Decision) -> _Move:
-        cost = chain.cost(start, end, decision)
-        return _Move(end, cost.held_bytes, cost.held_bytes + cost.transient_bytes, cost.recompute_units, decision)
-
-    def regions_from(start: int) -> tuple[tuple[_Move, ...], ...]:
-        # A region ends before the first layer that may not be checkpointed.
-        ends = tuple(takewhile(lambda end: chain.checkpoint_available(start, end), range(start + 1, n + 1)))
-        checkpoint = tuple(move(start, end, Decision.CHECKPOINT) for end in ends)
-        if not problem.allow_selective:
-            return (checkpoint,)
-        return checkpoint, tuple(move(start, end, Decision.SELECTIVE) for end in ends
-                                 if chain.selective_available(start, end))
-
-    return _Moves(store=tuple(move(start, start + 1, Decision.STORE) for start in range(n)),
-                  regions=tuple(regions_from(start) for start in range(n)))
-
-
-def _pareto_2d(points: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The points that no other point equals or beats in both coordinates, by
-    increasing first (so decreasing second) coordinate."""
-    points.sort()
-    front: list[tuple[int, int]] = []
-    for point in points:
-        if not front or point[1] < front[-1][1]:
-            front.append(point)
-    return front
-
-
-class _SuffixBounds(NamedTuple):
-    """Step 1 of the module docstring, per position i (suffix [i, n))."""
-
-    least_peak: list[int]
-    least_held: list[int]
-    least_local_peak: list[int]
-    most_held: list[int]
-
-
-def _suffix_bounds(problem: StageProblem, moves: _Moves) -> _SuffixBounds:
-    """Step 1 of the module docstring: backward fronts of (S, L) per suffix."""
-    n, k = problem.num_layers, problem.in_flight
-    fronts: list[list[tuple[int, int]]] = [[] for _ in range(n)] + [[(0, 0)]]
-    most_held = [0] * (n + 1)
-    for start in reversed(range(n)):
-        fronts[start] = _pareto_2d([(move.held + held, max(move.rebuild, move.held + local_peak))
-                                    for move in moves.all_from(start)
-                                    for held, local_peak in fronts[move.end]])
-        most_held[start] = max(move.held + most_held[move.end] for move in moves.all_from(start))
-    return _SuffixBounds(least_peak=[min((k - 1) * held + local for held, local in front) for front in fronts],
-                         least_held=[front[0][0] for front in fronts],
-                         least_local_peak=[front[-1][1] for front in fronts],
-                         most_held=most_held)
-
-
-class _RecomputeBound:
-    """Step 2 of the module docstring: per position, the Pareto front of
-    (held bytes, recompute units) over the suffix plans that hold no more than
-    a plan that fits can: (budget - base) // k."""
-
-    def __init__(self, problem: StageProblem, chain: ChainCosts) -> None:
-        n = problem.num_layers
-        held_limit = (problem.budget_bytes - problem.base_bytes) // problem.in_flight
-        closed: list[tuple[int, int]] = [(0, 0)]
-        open_checkpoint: list[tuple[int, int]] = []
-        open_selective: list[tuple[int, int]] = []
-        self._held: list[list[int]] = [[] for _ in range(n)] + [[0]]
-        self._units: list[list[int]] = [[] for _ in range(n)] + [[0]]
-        # At each layer, going left: ``closed`` holds the plans of layers [layer, n),
-        # ``open_*`` those whose first region covers ``layer`` and may still grow
-        # to its left, less that region's input bytes (added when it closes).
-        for layer in reversed(range(n)):
-            store = chain.cost(layer, layer + 1, Decision.STORE)
-            checkpoint = chain.cost(layer, layer + 1, Decision.CHECKPOINT)
-            if not chain.checkpoint_available(layer, layer + 1):  # no region may cover this layer
-                open_checkpoint = open_selective = []
-                closed = _pareto_2d(self._shifted(closed, store.held_bytes, 0, held_limit))
-                self._held[layer] = [held for held, _ in closed]
-                self._units[layer] = [units for _, units in closed]
-                continue
-            open_checkpoint = self._shifted(closed + open_checkpoint, 0, checkpoint.recompute_units, held_limit)
-            if problem.allow_selective and chain.selective_available(layer, layer + 1):
-                selective = chain.cost(layer, layer + 1, Decision.SELECTIVE)
-                open_selective = self._shifted(closed + open_selective, selective.held_bytes - checkpoint.held_bytes,
-                                               selective.recompute_units, held_limit)
-            else:
-                open_selective = []
-            closed = _pareto_2d(self._shifted(closed, store.held_bytes, 0, held_limit)
-                                + self._shifted(open_checkpoint + open_selective, checkpoint.held_bytes, 0,
-                                                held_limit))
-            self._held[layer] = [held for held, _ in closed]
-            self._units[layer] = [units for _, units in closed]
-        # The least recompute units of a plan of the whole chain that may fit
-        # (there is one: the problem is feasible).
-        self.least_units_of_chain: int = self._units[0][-1]
-
-    @staticmethod
-    def _shifted(points: list[tuple[int, int]], held: int, units: int, held_limit: int) -> list[tuple[int, int]]:
-        """The Pareto front of ``points`` moved by (held, units), within the limit."""
-        return _pareto_2d([(point_held + held, point_units + units) for point_held, point_units in points
-                           if point_held + held <= held_limit])
-
-    def front(self, position: int) -> tuple[list[int], list[int]]:
-        """The front of ``position``: held bytes increasing, recompute units decreasing."""
-        return self._held[position], self._units[position]
+__all__ = ["plan_stage"]
 
 
 # A forward state: (recompute units t, segment score, P, R, t + least suffix
@@ -350,7 +168,7 @@ class _Search:
     least t + least suffix units, which makes the search a fast heuristic
     whose plan, if it finds one, is an incumbent."""
 
-    def __init__(self, problem: StageProblem, moves: _Moves, bounds: _SuffixBounds, recompute: _RecomputeBound,
+    def __init__(self, problem: StageProblem, moves: Moves, bounds: SuffixBounds, recompute: RecomputeBound,
                  threshold: int | None, beam: int | None) -> None:
         self._moves = moves
         self._bounds = bounds
@@ -417,7 +235,7 @@ class _Search:
         for regions in self._moves.regions[start]:
             self._spread(start, front, regions, store=False)
 
-    def _spread(self, start: int, states: list[_State], moves: tuple[_Move, ...], store: bool) -> None:
+    def _spread(self, start: int, states: list[_State], moves: tuple[Move, ...], store: bool) -> None:
         """Queues the extensions of ``states`` (in dominance order) by ``moves``,
         segments from ``start`` by increasing end, but those that cannot fit or
         exceed the threshold.
@@ -504,16 +322,6 @@ def _next_threshold(first: int, current: int, least_dropped: int) -> int:
     return max(least_dropped, current + max((current - first) // 2, first >> 7, 1))
 
 
-def minimum_peak_bytes(problem: StageProblem) -> int:
-    """The least predicted peak over every plan of the stage (base included),
-    i.e. the smallest budget for which :func:`plan_stage` succeeds. Honours
-    ``allow_selective``; ignores ``budget_bytes``."""
-    if problem.backward_keeps_graph:
-        return problem.base_bytes + least_kept_graph_peak(problem, _kept_graph_moves(problem, ChainCosts(problem)))
-    bounds = _suffix_bounds(problem, _moves(problem, ChainCosts(problem)))
-    return problem.base_bytes + bounds.least_peak[0]
-
-
 def plan_stage(problem: StageProblem) -> StagePlan:
     """The optimal plan of the stage (see the module docstring for the objective).
 
@@ -523,30 +331,23 @@ def plan_stage(problem: StageProblem) -> StagePlan:
     chain = ChainCosts(problem)
     if problem.backward_keeps_graph:
         return _plan_kept_graph(problem, chain)
-    moves = _moves(problem, chain)
-    bounds = _suffix_bounds(problem, moves)
+    moves = segment_moves(problem, chain)
+    bounds = suffix_bounds(problem, moves)
     minimum = problem.base_bytes + bounds.least_peak[0]
     if minimum > problem.budget_bytes:
         raise InfeasibleBudgetError(problem.label, problem.budget_bytes, minimum, problem.in_flight)
     with _cyclic_gc_paused():
-        units, _, held, peak, _, node = _optimal_state(problem, moves, bounds, _RecomputeBound(problem, chain))
+        units, _, held, peak, _, node = _optimal_state(problem, moves, bounds, RecomputeBound(problem, chain))
     return StagePlan(segments=_segments_of(node),
                      predicted_peak_bytes=problem.base_bytes + (problem.in_flight - 1) * held + peak,
                      recompute_s=chain.seconds(units),
                      held_bytes_per_micro_batch=held)
 
 
-def _kept_graph_moves(problem: StageProblem, chain: ChainCosts) -> list[list[KeptGraphMove]]:
-    """:func:`_moves`, per start, in the form of :mod:`.kept_graph_solver`."""
-    moves = _moves(problem, chain)
-    return [[KeptGraphMove(start, move.end, move.held, move.rebuild - move.held, move.units, move.decision)
-             for move in moves.all_from(start)] for start in range(problem.num_layers)]
-
-
 def _plan_kept_graph(problem: StageProblem, chain: ChainCosts) -> StagePlan:
     """:func:`plan_stage` for a backward that keeps the graph (:mod:`.kept_graph_solver`)."""
     with _cyclic_gc_paused():
-        plan, least_peak = plan_kept_graph(problem, _kept_graph_moves(problem, chain))
+        plan, least_peak = plan_kept_graph(problem, kept_graph_moves(problem, chain))
     if plan is None:
         raise InfeasibleBudgetError(problem.label, problem.budget_bytes, problem.base_bytes + least_peak,
                                     problem.in_flight)
@@ -572,8 +373,8 @@ def _cyclic_gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _optimal_state(problem: StageProblem, moves: _Moves, bounds: _SuffixBounds,
-                   recompute: _RecomputeBound) -> _State:
+def _optimal_state(problem: StageProblem, moves: Moves, bounds: SuffixBounds,
+                   recompute: RecomputeBound) -> _State:
     """Step 3 of the module docstring for a problem that some plan fits: the
     pass for an incumbent, then exact passes until one finds a plan."""
     first = recompute.least_units_of_chain

@@ -48,12 +48,14 @@ from ..errors import ConfigError
 from ..selective import ops_to_keep
 from ..settings import current_settings
 from .agreement import agree
-from .cost_model import Decision, StageProblem
 from .length_plans import plan_lengths
+from .minimum_budget import InfeasibleBudgetError
+from .plan import Decision
 from .planned import PlannedStage
+from .problem import StageProblem
 from .profile import LayerMeter, tensor_bytes
 from .shapes import SequenceLengths
-from .solver import InfeasibleBudgetError, plan_stage
+from .solver import plan_stage
 from .stage_budget import StepCheck, budget_from_max_memory, no_plan_fits
 from .stage_lengths import StageLengths
 from .stage_measurement import BACKWARD_BEGINS, FORWARD_ENDS, StageMeasurement, StageMeasurer

@@ -17,8 +17,9 @@ from typing import Any, Callable
 import torch
 
 from .. import memory
-from .cost_model import StageProblem, predicted_peak_bytes
+from .cost_model import predicted_peak_bytes
 from .length_profiling import backward_through, isolated_from_training, modules_parameters
+from .problem import StageProblem
 from .profile import LayerMeter, StorageLedger, tensor_bytes
 from .stage_problem import measured_segments
 

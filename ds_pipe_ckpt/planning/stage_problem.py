@@ -2,7 +2,7 @@
 passes showed.
 
 The stage planner (:mod:`.stage`) measures; this module turns the figures into
-the solver's :class:`~.cost_model.StageProblem`:
+the solver's :class:`~.problem.StageProblem`:
 
 * what does not depend on the plan (the engine's stage inputs and outputs for
   the micro-batches in flight, the parameters' gradients that outlive steps);
@@ -12,7 +12,7 @@ the solver's :class:`~.cost_model.StageProblem`:
   grown to that length (:func:`length_problems`);
 * the words of a budget's floor: what the least feasible peak is made of.
 
-Pure: plain numbers and :class:`~.cost_model.LayerProfile` s in, plain data out;
+Pure: plain numbers and :class:`~.problem.LayerProfile` s in, plain data out;
 no torch, no module, no ranks. It must not measure or decide when to plan.
 """
 
@@ -23,8 +23,10 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from .cost_model import (SMALL_ALLOCATIONS_MIN_BYTES, SMALL_ALLOCATIONS_SHARE, ChainCosts, Decision, LayerProfile,
-                         Segment, StageProblem, gradients_as_base, predicted_peak_bytes)
+from .cost_model import (SMALL_ALLOCATIONS_MIN_BYTES, SMALL_ALLOCATIONS_SHARE, ChainCosts, gradients_as_base,
+                         predicted_peak_bytes)
+from .plan import Decision, Segment
+from .problem import LayerProfile, StageProblem
 
 __all__ = ["KnownBuffer", "StageFacts", "Unmodelled", "LengthFigures", "stage_problem",
            "measured_segments", "largest_boundary_bytes", "unmodelled_from_measuring_step", "unmodelled_growth",

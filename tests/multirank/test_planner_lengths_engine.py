@@ -16,7 +16,7 @@ on longer ones: 43% over budget on every longer step.
 import pytest
 
 import length_jobs
-from ds_pipe_ckpt.planning.cost_model import Decision
+from ds_pipe_ckpt.planning.plan import Decision
 from ds_pipe_ckpt.testing import run_ranks
 
 

@@ -11,8 +11,12 @@ import pytest
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "ds_pipe_ckpt"
 CORE_MODULES = (
+    "ds_pipe_ckpt.planning.problem",
+    "ds_pipe_ckpt.planning.plan",
     "ds_pipe_ckpt.planning.cost_model",
     "ds_pipe_ckpt.planning.solver",
+    "ds_pipe_ckpt.planning.search_bounds",
+    "ds_pipe_ckpt.planning.minimum_budget",
     "ds_pipe_ckpt.planning.kept_graph_solver",
     "ds_pipe_ckpt.planning.length_plans",
     "ds_pipe_ckpt.planning.partition",

@@ -11,10 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds_pipe_ckpt import ConfigError, CheckpointingConfig
-from ds_pipe_ckpt.planning.cost_model import LayerProfile, StageProblem, predicted_peak_bytes, recompute_seconds
+from ds_pipe_ckpt.planning.cost_model import predicted_peak_bytes, recompute_seconds
 from ds_pipe_ckpt.planning.length_plans import held_and_single_peak, plan_lengths
+from ds_pipe_ckpt.planning.minimum_budget import InfeasibleBudgetError
+from ds_pipe_ckpt.planning.problem import LayerProfile, StageProblem
 from ds_pipe_ckpt.planning.shapes import SequenceLengths
-from ds_pipe_ckpt.planning.solver import InfeasibleBudgetError, plan_stage
+from ds_pipe_ckpt.planning.solver import plan_stage
 
 
 @pytest.mark.parametrize("section, match", [

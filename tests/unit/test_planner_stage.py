@@ -19,7 +19,7 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_check
 import ds_pipe_ckpt
 from benchmarks.checkpointing.workloads import TransformerBlock
 from ds_pipe_ckpt import CheckpointingConfig, ConfigError
-from ds_pipe_ckpt.planning.cost_model import Decision
+from ds_pipe_ckpt.planning.plan import Decision
 from ds_pipe_ckpt.planning.stage import PlanPredictionWarning
 
 MIB = 2**20

@@ -33,7 +33,7 @@ import torch.nn as nn
 
 import ds_pipe_ckpt
 from ds_pipe_ckpt.memory import track_cpu_allocations, track_memory
-from ds_pipe_ckpt.planning.cost_model import Decision
+from ds_pipe_ckpt.planning.plan import Decision
 from examples.gpt.engine import pipeline_topology
 
 from ..budget import stage_budgets, uniform_best, uniform_modes
