@@ -87,6 +87,14 @@ def _call(function: Callable[[Any], Any], inputs: tuple, packed: bool) -> Any:
     return function(inputs if packed else inputs[0])
 
 
+def _caller(function: Callable[[Any], Any], packed: bool) -> Callable[..., Any]:
+    """``function`` on ``*args`` as :func:`_call` calls it, bound to this
+    layer's ``function`` and ``packed`` now: the loop rebinds both for the next
+    layer and deletes ``function``, so a closure over the loop's names would
+    call another layer, or fail, if autograd ran it late."""
+    return lambda *args: _call(function, args, packed)
+
+
 def _backward(output: Any, generator: torch.Generator) -> bool:
     """Backward from every output that requires grad, with a seeded random
     gradient; False when none does."""
@@ -154,8 +162,7 @@ def profile_layer_specs(specs: Sequence[Any], sample: Any, *, device: torch.devi
         meter = LayerMeter(name, StorageLedger(held), save_ops, device, first_layer=False)
         flat = tuple(inputs)
         region = Region(name, micro_batch=0, facts=RegionFacts(), modules=tuple(modules_of(function)))
-        checkpointed = checkpoint_region(lambda *args: _call(function, args, packed), flat, {}, region, options,
-                                         observer=meter)
+        checkpointed = checkpoint_region(_caller(function, packed), flat, {}, region, options, observer=meter)
         _backward(checkpointed, generator)
         for p in parameters:
             p.grad = None
