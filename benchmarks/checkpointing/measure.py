@@ -6,6 +6,8 @@ segment (each checkpointed as one unit, unless the variant is ``none``), then
 ``torch.autograd.backward(output, grad_output)`` with the gradient a later
 stage would send. Parameter gradients are cleared before each step, so each
 step allocates them afresh.
+
+It measures only: it prints nothing and starts no ranks (:mod:`.runner` does both).
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Present the results: a markdown table per workload with the targets checked,
-the JSON record with every sample, and a memory-vs-time plot."""
+the JSON record with every sample, and a memory-vs-time plot.
+
+It measures nothing and prints nothing itself: :mod:`.runner` prints what it returns.
+"""
 
 from __future__ import annotations
 

@@ -16,6 +16,9 @@ over the timed repetitions, and the ratios to no checkpointing and to
 DeepSpeed's non-reentrant checkpoint; on the small-regions workloads also the
 time per checkpointed call, and with ``--profile`` where it goes
 (:mod:`benchmarks.checkpointing.call_profile`). Runs on CUDA when available, else CPU.
+
+It decides no measurement of its own: what runs is :mod:`.workloads`' and
+:mod:`.variants`', how it is measured :mod:`.measure`'s.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ peak in the ``none`` mode. Two rows per (pp, F):
 
 Both rows carry ``budget_bytes``; ``planned`` rows also the plan's predicted
 peak and decisions.
+
+It only reads records and builds modes: it starts no ranks and prints nothing.
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ In all, only the transformer blocks are checkpointed
 counts blocks, and DeepSpeed balances the blocks across stages
 (``partition_method="type:<block class>"``) unless the config's
 ``pipeline.partition_method`` says otherwise (``--partition``).
+
+It builds models, engines and batches only: it measures nothing and starts no
+ranks.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ A mode is a name, a description, the config keys it sets and the size of the
 model-parallel axis it needs. Adding one (say a memory-budget planner's
 ``"planned"`` row with its own ``activation_checkpointing`` keys) is one more
 entry in :func:`modes`.
+
+Data only: it builds no engine and measures nothing.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ while the timed steps go round-robin over them, so that a change in machine
 load hits every mode alike. The activation-checkpointing settings are global
 (``ds_pipe_ckpt.configure``), so each engine's are applied again before each of
 its steps, as ``ds_pipe_ckpt.initialize`` applied them when it was built.
+
+It runs inside the rank processes: it starts no ranks and prints no report;
+its records go back to :mod:`benchmarks.pipeline.runner`.
 """
 
 from __future__ import annotations

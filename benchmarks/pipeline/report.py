@@ -1,6 +1,10 @@
 """Present ``python -m benchmarks.pipeline`` results: per-stage summaries, the
 markdown tables (the 1F1B imbalance across stages), the targets, the JSON
-document and the grouped-bar plot. Pure functions of the per-rank records."""
+document and the grouped-bar plot. Pure functions of the per-rank records.
+
+It measures nothing and prints nothing itself: :mod:`benchmarks.pipeline.runner`
+prints what it returns.
+"""
 
 from __future__ import annotations
 

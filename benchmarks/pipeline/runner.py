@@ -48,6 +48,10 @@ with a plan per length bucket (``adaptive``) against one plan made for the
 longest micro-batch (``static``) and the best uniform interval that fits at
 the longest, every measured step's peak against its budget, in one launch
 per depth (:mod:`benchmarks.pipeline.lengths.runner`).
+
+It decides no measurement itself: :mod:`.modes` and :mod:`.models` say what
+runs, :mod:`.partition` and :mod:`.lengths` what their comparisons run, the
+rank modules measure.
 """
 
 from __future__ import annotations

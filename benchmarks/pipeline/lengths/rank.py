@@ -15,6 +15,9 @@ Records, this rank's (each with ``record``, ``pp``, ``rank``):
   ``step_peaks`` and ``step_times_s``, and for the planned ones the planner's
   time (``planning_s``), its bound and its plan per length; or ``unavailable``
   with the planner's error when it refused the budget.
+
+It runs inside the rank processes: it starts no ranks and prints no report;
+its records go back to :mod:`benchmarks.pipeline.runner`.
 """
 
 from __future__ import annotations

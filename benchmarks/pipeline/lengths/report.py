@@ -2,7 +2,11 @@
 (:mod:`benchmarks.pipeline.lengths.runner`): one table per pipeline depth and budget,
 the target line (the adaptive plan's mean step time at most 0.90 x the static
 plan's, with no step over budget) and the JSON document. Pure functions of
-the per-rank records."""
+the per-rank records.
+
+It measures nothing and prints nothing itself: :mod:`benchmarks.pipeline.runner`
+prints what it returns.
+"""
 
 from __future__ import annotations
 

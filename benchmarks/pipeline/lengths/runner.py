@@ -26,6 +26,9 @@ Per pipeline depth, one launch (:mod:`benchmarks.pipeline.lengths.rank`) runs:
 A planned configuration's step peaks also include the steps the planner
 measures itself: step 0 (less what it allocates once, the optimizer's
 state), the measuring step and every planned step it checks.
+
+It starts no ranks (:mod:`benchmarks.pipeline.runner` passes the launch in)
+and prints nothing.
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """The report of ``python -m benchmarks.pipeline --partition planned``
 (:mod:`benchmarks.pipeline.partition.runner`): one table per pipeline depth and
-budget, the target line and a plot."""
+budget, the target line and a plot.
+
+It measures nothing and prints nothing itself: :mod:`benchmarks.pipeline.runner`
+prints what it returns.
+"""
 
 from __future__ import annotations
 

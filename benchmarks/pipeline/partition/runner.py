@@ -23,6 +23,9 @@ the highest stage peak without checkpointing under DeepSpeed's default
 Every record carries the budget, the partition and its cut; planner rows the
 planner's measured steps (the first planned step included), so that steps
 over budget are counted.
+
+It starts no ranks (:mod:`benchmarks.pipeline.runner` passes the launcher
+in) and prints nothing.
 """
 
 from __future__ import annotations
