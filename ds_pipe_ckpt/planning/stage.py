@@ -61,7 +61,8 @@ from .stage_lengths import StageLengths
 from .stage_measurement import BACKWARD_BEGINS, FORWARD_ENDS, StageMeasurement, StageMeasurer
 from .stage_phase import StageEvent, StagePhase, next_phase
 from .stage_problem import (KnownBuffer, LengthFigures, StageFacts, Unmodelled, floor_text, length_problems,
-                            stage_problem, unmodelled_from_measuring_step, unmodelled_growth)
+                            measuring_step_model_bytes, stage_problem, unmodelled_from_measuring_step,
+                            unmodelled_growth)
 from .step_tracking import StepMemory, TrackedStep
 
 __all__ = ["StagePlanner", "PlanPredictionWarning"]
@@ -146,7 +147,8 @@ class StagePlanner:
         self._step_begun = False
         edge = None
         if self.lengths is not None:  # before anything of this micro-batch runs
-            edge = self.lengths.edge_of(x, module.micro_offset)
+            in_measuring_step = self.planned is None and self.micro_batches <= self.forwards < 2 * self.micro_batches
+            edge = self.lengths.edge_of(x, module.micro_offset, in_measuring_step=in_measuring_step)
         self.forwards += 1
         if self.planned is None:
             return self._forward_per_layer(x, seed_offset)
@@ -330,20 +332,20 @@ class StagePlanner:
 
     def _make_plan(self) -> PlannedStage:
         self._resolve_budget()
-        problem = self._problem()
         if self.measuring_step_peak_bytes is not None and self.planned is None and not self.calibrations:
             # Counted from the first plan on, so that the prediction is an upper bound.
-            self.unmodelled = unmodelled_from_measuring_step(self._facts(), problem, self.measuring_step_peak_bytes,
-                                                             self.loss_phase_peak_bytes)
+            self.unmodelled = self._unmodelled_from_measuring_step()
             self.unmodelled_bytes = self.unmodelled.base_bytes
-            problem = self._problem()
+        problem = self._problem()
         length_plans = engine_bytes = unmodelled = None
         if self.lengths is not None:
-            problems, engine_by_length = self._length_problems()
-            longest = self.lengths.max_length
+            figures = self._length_figures()
+            problems = length_problems(self._facts(), self.unmodelled, figures, self.lengths.edges,
+                                       self.lengths.measured_length)
+            engine_by_length = {length: figures[length].engine_bytes for length in self.lengths.edges}
+            longest, measured = self.lengths.max_length, self.lengths.measured_length
             problem = problems[longest]
             engine_bytes = (self.in_flight + 1) * engine_by_length[longest]
-            figures, measured = self._length_figures(), self.lengths.measured_length
             unmodelled = self.unmodelled_bytes + sum(unmodelled_growth(
                 self._facts(), self.unmodelled, figures[measured], figures[longest], longest / measured))
         try:
@@ -362,6 +364,18 @@ class StagePlanner:
                             first_step_kept_bytes=self.first_step_kept_bytes,
                             measured_length=None if self.lengths is None else self.lengths.measured_length)
 
+    def _unmodelled_from_measuring_step(self) -> Unmodelled:
+        """What the measuring step showed beyond the model of the plan it ran
+        (:func:`~.stage_problem.unmodelled_from_measuring_step`), its
+        micro-batches modelled at the lengths they had."""
+        modelled = None
+        if self.lengths is not None and self.lengths.measuring_step_lengths:
+            figures = self._length_figures()  # nothing unmodelled counted yet
+            step = [figures[length] for length in self.lengths.measuring_step_lengths]
+            modelled = measuring_step_model_bytes(self._facts(), step, self.measurer.gradient_bytes_by_layer())
+        return unmodelled_from_measuring_step(self._facts(), self._problem(), self.measuring_step_peak_bytes,
+                                              self.loss_phase_peak_bytes, modelled)
+
     def _no_plan_fits(self, error: InfeasibleBudgetError, problem: StageProblem, engine_bytes: int | None,
                       unmodelled_bytes: int | None) -> ConfigError:
         return no_plan_fits(self.budget_key, stage=self.stage, in_flight=self.in_flight, budget_bytes=self.budget_bytes,
@@ -376,15 +390,6 @@ class StagePlanner:
         return {length: LengthFigures(self._problem(measured.meters, measured.engine_bytes), measured.engine_bytes, measured.workspace_bytes,
                                       measured.loss_phase_bytes, measured.output_bytes)
                 for length, measured in measurements.items()}
-
-    def _length_problems(self) -> tuple[dict[int, StageProblem], dict[int, int]]:
-        """The stage's problem at every bucket edge of its lengths
-        (:func:`~.stage_problem.length_problems`), and the engine's bytes for
-        one micro-batch of that length."""
-        figures = self._length_figures()
-        problems = length_problems(self._facts(), self.unmodelled, figures, self.lengths.edges,
-                                   self.lengths.measured_length)
-        return problems, {length: figures[length].engine_bytes for length in self.lengths.edges}
 
     def floor(self, problem: StageProblem, minimum_bytes: int, engine_bytes: int | None = None,
               unmodelled_bytes: int | None = None) -> str:

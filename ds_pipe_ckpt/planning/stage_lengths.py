@@ -28,6 +28,8 @@ class StageLengths:
         self._labels_wanted = last_stage  # for the loss in every length's pass
         self._labels: tuple | None = None
         self._measurements: dict[int, LengthMeasurement] | None = None
+        # The measuring step's micro-batch lengths, in the order this stage ran them.
+        self.measuring_step_lengths: list[int] = []
 
     @property
     def max_length(self) -> int:
@@ -37,10 +39,15 @@ class StageLengths:
     def edges(self) -> tuple[int, ...]:
         return self.lengths.edges
 
-    def edge_of(self, x: Any, micro_batch: int) -> int:
-        """The bucket edge of micro-batch ``x`` (a ConfigError above the longest length)."""
+    def edge_of(self, x: Any, micro_batch: int, *, in_measuring_step: bool = False) -> int:
+        """The bucket edge of micro-batch ``x`` (a ConfigError above the longest
+        length); its length is kept when it is ``in_measuring_step``."""
         where = f"pipeline stage {self.stage} (micro-batch {micro_batch})"
-        return self.lengths.edge_for(self.lengths.length_of(x if isinstance(x, tuple) else (x, ), where), where)
+        length = self.lengths.length_of(x if isinstance(x, tuple) else (x, ), where)
+        edge = self.lengths.edge_for(length, where)
+        if in_measuring_step:
+            self.measuring_step_lengths.append(length)
+        return edge
 
     def keep_measured(self, inputs: tuple, packed: bool) -> None:
         """Keeps the measuring step's micro-batch (a copy), to measure every length from it."""
@@ -61,12 +68,13 @@ class StageLengths:
         return keep_labels
 
     def measurements(self, measurer: StageMeasurer, input_scale: float) -> dict[int, LengthMeasurement]:
-        """The stage measured at every edge and at the measured length (once:
-        a plan made again reuses them; the kept micro-batch is dropped then)."""
+        """The stage measured at every edge and at each length of the measuring
+        step (once: a plan made again reuses them; the kept micro-batch is
+        dropped then)."""
         if self._measurements is None:
             sample, packed = self._sample
             self._measurements = {}
-            for length in sorted({*self.edges, self.measured_length}):
+            for length in sorted({*self.edges, self.measured_length, *self.measuring_step_lengths}):
                 inputs = self.lengths.resized(sample, self.measured_length, length)
                 labels = None if self._labels is None else self.lengths.resized(self._labels, self.measured_length,
                                                                                   length)

@@ -24,12 +24,13 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from .cost_model import (SMALL_ALLOCATIONS_MIN_BYTES, SMALL_ALLOCATIONS_SHARE, ChainCosts, gradients_as_base,
-                         predicted_peak_bytes)
+                         peak_of_costs, predicted_peak_bytes)
 from .plan import Decision, Segment
 from .problem import LayerProfile, StageProblem
 
 __all__ = ["KnownBuffer", "StageFacts", "Unmodelled", "LengthFigures", "stage_problem",
-           "measured_segments", "largest_boundary_bytes", "unmodelled_from_measuring_step", "unmodelled_growth",
+           "measured_segments", "largest_boundary_bytes", "measuring_step_model_bytes",
+           "unmodelled_from_measuring_step", "unmodelled_growth",
            "length_problems", "floor_text"]
 
 MIB = 2**20
@@ -157,13 +158,65 @@ def largest_boundary_bytes(stage_input_bytes: int, problem: StageProblem) -> int
     return max([stage_input_bytes] + [layer.input_bytes for layer in problem.layers])
 
 
+def measuring_step_model_bytes(facts: StageFacts, step: Sequence[LengthFigures], grad_bytes: Sequence[int]) -> int:
+    """The model's peak of a measuring step whose micro-batches, in the order
+    the stage ran them, were measured as ``step`` (each its length's figures,
+    built with nothing unmodelled), every layer its own checkpoint region;
+    ``grad_bytes`` are the layers' parameter gradients that each step
+    allocates anew (as :func:`stage_problem` takes them).
+
+    Under DeepSpeed's 1F1B the backward of micro-batch ``j`` runs while
+    ``j .. j + k - 1`` are in flight (``k`` = ``facts.in_flight``); it peaks
+    at what the others hold (their activations and the engine's copies of
+    their stage input and output, ``H_i + e_i``) plus its own single peak
+    ``P1_j + 2 e_j`` (:mod:`.length_plans`' notation) above the part of the
+    base that is not per micro-batch. The first backward of the step meets
+    the parameter gradients as it allocates them, layer by layer; the later
+    ones meet them all. With every micro-batch of one length this is
+    :func:`~.cost_model.predicted_peak_bytes` of the measured plan. With
+    several lengths in the step, modelling them all at the first
+    micro-batch's length would charge the others' activations as memory the
+    model does not see, or hide that memory where they are shorter.
+
+    Raises:
+        ValueError: ``step`` is empty.
+    """
+    if not step:
+        raise ValueError("a measuring step has at least one micro-batch")
+    k = facts.in_flight
+    gradients = sum(grad_bytes) if facts.micro_batches > k else 0  # what stage_problem moved into the base
+
+    def held_single_fixed(problem: StageProblem, engine_bytes: int) -> tuple[int, int, int]:
+        chain = ChainCosts(problem)
+        costs = [chain.cost(s.start, s.end, s.decision) for s in measured_segments(problem)]
+        held = sum(cost.held_bytes for cost in costs) + engine_bytes
+        single = peak_of_costs(costs, 1, 0, problem.backward_keeps_graph) + 2 * engine_bytes
+        return held, single, problem.base_bytes - (k + 1) * engine_bytes
+
+    figures = [held_single_fixed(f.problem, f.engine_bytes) for f in step]
+    held = [h for h, _, _ in figures]
+    fixed = max(f for _, _, f in figures)
+    peaks = [fixed + sum(held[j + 1:j + k]) + single for j, (_, single, _) in enumerate(figures) if j > 0]
+    first = step[0].problem
+    if gradients:
+        layers = tuple(dataclasses.replace(layer, grad_bytes=g) for layer, g in zip(first.layers, grad_bytes))
+        first = dataclasses.replace(first, layers=layers, base_bytes=first.base_bytes - gradients)
+    _, single, first_fixed = held_single_fixed(first, step[0].engine_bytes)
+    peaks.append(first_fixed + sum(held[1:k]) + single)
+    return max(peaks)
+
+
 def unmodelled_from_measuring_step(facts: StageFacts, problem: StageProblem, measuring_step_peak_bytes: int,
-                                   loss_phase_peak_bytes: int | None) -> Unmodelled:
+                                   loss_phase_peak_bytes: int | None, modelled_bytes: int | None = None
+                                   ) -> Unmodelled:
     """What the measuring step (peak ``measuring_step_peak_bytes``; on the last
-    stage its loss phase's peak) showed beyond ``problem`` (built with nothing
-    unmodelled) under the plan it ran."""
+    stage its loss phase's peak) showed beyond ``problem`` (the measured
+    micro-batch's, built with nothing unmodelled) under the plan it ran, whose
+    model peaks at ``modelled_bytes`` (default: every micro-batch as the
+    measured one; with lengths varying inside the step,
+    :func:`measuring_step_model_bytes`)."""
     segments = measured_segments(problem)
-    modelled = predicted_peak_bytes(problem, segments)
+    modelled = predicted_peak_bytes(problem, segments) if modelled_bytes is None else modelled_bytes
     margin = max(SMALL_ALLOCATIONS_MIN_BYTES, int(SMALL_ALLOCATIONS_SHARE * measuring_step_peak_bytes))
     rebuild_extra = max(0, measuring_step_peak_bytes - modelled)
     start_extra = 0

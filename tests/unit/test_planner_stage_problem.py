@@ -1,13 +1,16 @@
 """The stage's planning problem and budget verdicts, from plain numbers (no
 torch, no module, no ranks): planning.stage_problem and planning.stage_budget."""
 
+import dataclasses
+
 import pytest
 
 from ds_pipe_ckpt import ConfigError
 from ds_pipe_ckpt.planning import LayerProfile, predicted_peak_bytes
 from ds_pipe_ckpt.planning.stage_budget import MAX_CALIBRATIONS, StepCheck, budget_from_max_memory, no_plan_fits
 from ds_pipe_ckpt.planning.stage_problem import (LengthFigures, StageFacts, Unmodelled, floor_text, length_problems,
-                                                 measured_segments, stage_problem, unmodelled_from_measuring_step)
+                                                 measured_segments, measuring_step_model_bytes, stage_problem,
+                                                 unmodelled_from_measuring_step)
 
 KIB = 1024
 
@@ -22,8 +25,8 @@ def _layers(scale=1):
                          forward_s=0.001) for i in range(3)]
 
 
-def _problem(facts, scale=1, unmodelled=0, start=0, engine=None):
-    return stage_problem(facts, _layers(scale), [0, 0, 0], budget_bytes=8 << 20, unmodelled_bytes=unmodelled,
+def _problem(facts, scale=1, unmodelled=0, start=0, engine=None, grads=(0, 0, 0)):
+    return stage_problem(facts, _layers(scale), list(grads), budget_bytes=8 << 20, unmodelled_bytes=unmodelled,
                          backward_start_bytes=start, engine_bytes_per_micro_batch=engine)
 
 
@@ -66,6 +69,65 @@ def _figures(facts, length, measured_length, workspace):
     engine = facts.engine_bytes_per_micro_batch * length // measured_length
     return LengthFigures(_problem(facts, scale=scale, engine=engine), engine, workspace, None,
                          facts.stage_output_bytes * length // measured_length)
+
+
+GRADS = (100 * KIB, 200 * KIB, 300 * KIB)
+
+
+def _length(facts, length, grads=GRADS):
+    """The figures of micro-batches ``length`` long (activations and engine copies in proportion to 16)."""
+    engine = facts.engine_bytes_per_micro_batch * length // 16
+    layers = [LayerProfile(name=f"layer {i}", input_bytes=4 * KIB * length, saved_bytes=32 * KIB * length,
+                           forward_s=0.001) for i in range(3)]
+    problem = stage_problem(facts, layers, list(grads), budget_bytes=8 << 20, unmodelled_bytes=0,
+                            backward_start_bytes=0, engine_bytes_per_micro_batch=engine)
+    return LengthFigures(problem, engine, None, None, facts.stage_output_bytes * length // 16)
+
+
+@pytest.mark.parametrize("in_flight", [1, 2, 3])
+def test_a_measuring_step_of_one_length_is_modelled_as_its_plan_predicts(in_flight):
+    facts = _facts(in_flight=in_flight)
+    figures = _length(facts, 32)
+    problem = figures.problem
+    assert (measuring_step_model_bytes(facts, [figures] * 4, GRADS)
+            == predicted_peak_bytes(problem, measured_segments(problem)))
+
+
+def test_a_measuring_step_of_mixed_lengths_models_each_micro_batch_at_its_own_length():
+    """Measured on a short micro-batch while longer ones were in flight: their
+    activations are the model's, not memory it does not see."""
+    facts = _facts(in_flight=2)
+    short, long = _length(facts, 8), _length(facts, 64)
+    step = [short, long, long, long]
+    modelled = measuring_step_model_bytes(facts, step, GRADS)
+    as_if_all_short = predicted_peak_bytes(short.problem, measured_segments(short.problem))
+    assert modelled == predicted_peak_bytes(long.problem, measured_segments(long.problem))  # windows 1 and 2
+    assert modelled > as_if_all_short
+    unmodelled = unmodelled_from_measuring_step(facts, short.problem, modelled + 10 * KIB, None, modelled)
+    assert unmodelled.rebuild_extra_bytes == 10 * KIB
+
+
+def test_the_first_backward_of_a_measuring_step_meets_the_gradients_as_they_come():
+    """The longest micro-batch first and short ones after: the step's peak is
+    in the first backward, which allocates the parameters' gradients layer by
+    layer, so what it shows beyond the model is not hidden by gradients
+    counted in full."""
+    facts = _facts(in_flight=2)
+    long, short = _length(facts, 64), _length(facts, 8)
+    modelled = measuring_step_model_bytes(facts, [long, short, short, short], GRADS)
+    with_every_gradient = predicted_peak_bytes(long.problem, measured_segments(long.problem))
+    assert modelled < with_every_gradient
+    accruing = _length(facts, 64, grads=(0, 0, 0))
+    layers = [dataclasses.replace(layer, grad_bytes=g) for layer, g in zip(accruing.problem.layers, GRADS)]
+    first = dataclasses.replace(accruing.problem, layers=tuple(layers))
+    # The first window: the short micro-batch held, the long one's own peak as the plan
+    # predicts a micro-batch alone that allocates its gradients as it goes.
+    single = predicted_peak_bytes(dataclasses.replace(first, in_flight=1), measured_segments(first)) - first.base_bytes
+    held_short = short.engine_bytes + sum(layer.input_bytes for layer in short.problem.layers)
+    e = long.engine_bytes
+    assert modelled == (first.base_bytes - 3 * e) + held_short + single + 2 * e
+    with pytest.raises(ValueError, match="at least one micro-batch"):
+        measuring_step_model_bytes(facts, [], GRADS)
 
 
 def test_what_was_unmodelled_grows_to_each_length_and_the_buffers_to_the_longest():
