@@ -88,8 +88,18 @@ class LengthPlans:
     @property
     def bound_bytes(self) -> int:
         """The highest peak any mix of these plans in flight can reach (module docstring)."""
-        held = max(p.held_bytes for p in self.by_length)
-        single = max(p.single_peak_bytes for p in self.by_length)
+        return self.bound_up_to(self.longest.length)
+
+    def bound_up_to(self, edge: int) -> int:
+        """The highest peak a step can reach whose micro-batches are all at
+        most ``edge`` long (a bucket edge): any mix of the plans up to it in flight.
+
+        Raises:
+            KeyError: ``edge`` is not a bucket edge.
+        """
+        plans = [p for p in self.by_length if p.length <= self.for_edge(edge).length]
+        held = max(p.held_bytes for p in plans)
+        single = max(p.single_peak_bytes for p in plans)
         return self.fixed_bytes + (self.in_flight - 1) * held + single
 
     @property

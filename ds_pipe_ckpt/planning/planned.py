@@ -3,7 +3,7 @@ exposes it and as the table the planner prints."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .cost_model import ChainCosts
 from .length_plans import LengthPlans
@@ -25,8 +25,13 @@ class PlannedStage:
     budget_bytes: int
     problem: StageProblem
     plan: StagePlan
-    # The peak of this plan's checked step (its first planned step), above the step's start.
+    # The peak of this plan's first checked step (its first planned step), above the step's start.
     measured_peak_bytes: int | None = None
+    # Variable lengths: per bucket edge, the highest peak of this plan's checked steps
+    # whose longest micro-batch was in that bucket.
+    measured_by_length: dict[int, int] = field(default_factory=dict)
+    checked_steps: int = 0  # steps of this plan whose peak was checked
+    last_check: tuple[int, int] | None = None  # (predicted, measured) peak of the latest of them
     # (predicted, measured) peak of each earlier plan of this stage whose measured
     # step did not fit its prediction (this plan was made after them).
     earlier_checks: tuple[tuple[int, int], ...] = ()
@@ -50,6 +55,29 @@ class PlannedStage:
     def predicted_peak_bytes(self) -> int:
         """The peak the plan keeps: for variable lengths, that of any mix in flight."""
         return self.plan.predicted_peak_bytes if self.lengths is None else self.lengths.bound_bytes
+
+    def predicted_for(self, edge: int | None) -> int:
+        """The peak predicted for a step whose longest micro-batch is in the
+        bucket of ``edge`` (None: fixed shapes, or unknown: the whole bound)."""
+        if self.lengths is None or edge is None:
+            return self.predicted_peak_bytes
+        return self.lengths.bound_up_to(edge)
+
+    def record_check(self, edge: int | None, predicted_bytes: int, measured_bytes: int) -> None:
+        """A checked step of this plan (longest micro-batch in the bucket of ``edge``) and its figures."""
+        if self.measured_peak_bytes is None:
+            self.measured_peak_bytes = measured_bytes
+        if edge is not None:
+            self.measured_by_length[edge] = max(measured_bytes, self.measured_by_length.get(edge, 0))
+        self.checked_steps += 1
+        self.last_check = (predicted_bytes, measured_bytes)
+
+    @property
+    def unseen_edges(self) -> tuple[int, ...]:
+        """The bucket edges no checked step of this plan has had as its longest."""
+        if self.lengths is None:
+            return ()
+        return tuple(p.length for p in self.lengths.by_length if p.length not in self.measured_by_length)
 
     @property
     def layer_names(self) -> list[str]:
@@ -132,14 +160,20 @@ def _length_rows(planned: PlannedStage) -> list[str]:
     lengths = planned.lengths
     lines = ["", f"Variable-length micro-batches (measured at length {planned.measured_length}; each bucket measured "
              "at its longest length and planned for it):", "",
-             "| length up to | stored / checkpointed / selective layers | held MiB / micro-batch | recompute ms |",
-             "|---:|---|---:|---:|"]
+             "| length up to | stored / checkpointed / selective layers | held MiB / micro-batch | recompute ms "
+             "| predicted peak MiB | measured peak MiB |",
+             "|---:|---|---:|---:|---:|---:|"]
     for length_plan in lengths.by_length:
         counts = length_plan.counts()
         note = f" (the plan of length {length_plan.borrowed_from})" if length_plan.borrowed_from else ""
+        measured = planned.measured_by_length.get(length_plan.length)
         lines.append(f"| {length_plan.length} | {counts[Decision.STORE]} / {counts[Decision.CHECKPOINT]} / "
                      f"{counts[Decision.SELECTIVE]}{note} | {length_plan.held_bytes / MIB:.2f} "
-                     f"| {length_plan.plan.recompute_s * 1e3:.2f} |")
+                     f"| {length_plan.plan.recompute_s * 1e3:.2f} "
+                     f"| {lengths.bound_up_to(length_plan.length) / MIB:.2f} "
+                     f"| {'not seen' if measured is None else f'{measured / MIB:.2f}'} |")
     lines += ["", f"Any mix of lengths in flight peaks at most at {lengths.bound_bytes / MIB:.2f} MiB of the "
-              f"{planned.budget_bytes / MIB:.2f} MiB budget. Planner time so far: {planned.planning_s:.2f} s."]
+              f"{planned.budget_bytes / MIB:.2f} MiB budget. A row's predicted peak is that of a step whose longest "
+              "micro-batch is in its bucket; its measured peak, the highest of this plan's checked steps whose "
+              f"longest micro-batch was. Planner time so far: {planned.planning_s:.2f} s."]
     return lines

@@ -31,7 +31,10 @@ set; ``ds_pipe_ckpt.initialize`` creates it through ``PipelineModule.enable_plan
    peak above the prediction or the budget is a :class:`PlanPredictionWarning`
    naming the stage, and the stage plans again at the next step's start with the
    difference counted as memory the model does not see, and checks that plan (at
-   most twice). A step someone else profiles is left alone.
+   most twice). With variable lengths a step is predicted by the bucket of its
+   longest micro-batch (``LengthPlans.bound_up_to``), and the checks go on, one
+   step per bucket at most, until each bucket has been a checked step's longest
+   (``PlannedStage.measured_by_length``). A step someone else profiles is left alone.
 """
 
 from __future__ import annotations
@@ -102,6 +105,7 @@ class StagePlanner:
         self.measurement: StageMeasurement | None = None
         self.planned: PlannedStage | None = None
         self._tracked: StepMemory | None = None  # the step being tracked, if any
+        self._step_longest_edge: int | None = None  # with lengths: the bucket of this step's longest micro-batch
         self.phase = StagePhase.MEASURING  # planning.stage_phase; moved only by _advance
         # Whether this step start's planning is agreed with every rank (planning.agreement):
         # from the step after the measuring step, while any rank may still plan.
@@ -149,6 +153,7 @@ class StagePlanner:
         if self.lengths is not None:  # before anything of this micro-batch runs
             in_measuring_step = self.planned is None and self.micro_batches <= self.forwards < 2 * self.micro_batches
             edge = self.lengths.edge_of(x, module.micro_offset, in_measuring_step=in_measuring_step)
+            self._step_longest_edge = max(edge, self._step_longest_edge or 0)
         self.forwards += 1
         if self.planned is None:
             return self._forward_per_layer(x, seed_offset)
@@ -229,6 +234,7 @@ class StagePlanner:
         previous one (forwards, backwards, optimizer step) is complete on this stage."""
         if self._tracked is not None:
             self._finish_tracking()
+        self._step_longest_edge = None
         error = None
         try:
             self._plan_if_due()
@@ -260,8 +266,7 @@ class StagePlanner:
             checked = self.planned
             self._advance(StageEvent.REPLANNING)
             self.planned = self._plan()
-            self.planned.earlier_checks = (*checked.earlier_checks,
-                                           (checked.predicted_peak_bytes, checked.measured_peak_bytes))
+            self.planned.earlier_checks = (*checked.earlier_checks, checked.last_check)
             self._announce()
         if self.phase is StagePhase.MEASURING and self.measurement is not None:
             if self.measurement.complete:
@@ -341,7 +346,8 @@ class StagePlanner:
         if self.lengths is not None:
             figures = self._length_figures()
             problems = length_problems(self._facts(), self.unmodelled, figures, self.lengths.edges,
-                                       self.lengths.measured_length)
+                                       self.lengths.measured_length,
+                                       max(self.lengths.measuring_step_lengths, default=None))
             engine_by_length = {length: figures[length].engine_bytes for length in self.lengths.edges}
             longest, measured = self.lengths.max_length, self.lengths.measured_length
             problem = problems[longest]
@@ -428,14 +434,18 @@ class StagePlanner:
             self.loss_phase_peak_bytes = report.interval_peaks.get(BACKWARD_BEGINS)
             self.step_start_bytes = report.start_bytes
             return
-        planned = self.planned
-        planned.measured_peak_bytes = measured
-        check = StepCheck(self.stage, planned.predicted_peak_bytes, measured, self.budget_bytes, self.calibrations)
+        planned, edge = self.planned, self._step_longest_edge
+        predicted = planned.predicted_for(edge)
+        planned.record_check(edge, predicted, measured)
+        check = StepCheck(self.stage, predicted, measured, self.budget_bytes, self.calibrations)
         if check.missed:
             warnings.warn(PlanPredictionWarning(check.warning()), stacklevel=2)
         if check.calibrates:
             self.calibrations += 1
             self.unmodelled_bytes += check.unseen_bytes
             self._advance(StageEvent.CHECK_MISSED)
+        elif planned.unseen_edges and planned.checked_steps < len(planned.lengths.by_length):
+            # Until each bucket has been a checked step's longest, at most one step per bucket.
+            self._advance(StageEvent.LENGTH_CHECK_HELD)
         else:
             self._advance(StageEvent.CHECK_HELD)

@@ -4,7 +4,9 @@ that moves between them.
 A stage measures (every layer checkpointed), then plans; the first planned step
 checks the plan's predicted peak against the measured one. A check that misses
 (and may still calibrate) makes the next step's start plan again, and that plan
-is checked in turn; a check that holds leaves the plan standing. A measuring
+is checked in turn; a check that holds leaves the plan standing, or, with
+variable lengths while a length bucket has not been a checked step's longest,
+keeps checking the next steps. A measuring
 step that could not measure every layer leaves the stage unplannable.
 
 Pure: no torch, no DeepSpeed, no I/O. It must not decide when events happen;
@@ -30,6 +32,7 @@ class StageEvent(enum.Enum):
     MEASUREMENT_INCOMPLETE = "measurement incomplete"
     REPLANNING = "replanning"  # the step start plans again from the missed check
     CHECK_HELD = "check held"  # or missed with no calibration left: the plan stands
+    LENGTH_CHECK_HELD = "length check held"  # held, and a length bucket is still unseen: check the next step too
     CHECK_MISSED = "check missed"  # and calibrates
 
 
@@ -37,6 +40,7 @@ _TRANSITIONS: dict[tuple[StagePhase, StageEvent], StagePhase] = {
     (StagePhase.MEASURING, StageEvent.PLANNED): StagePhase.CHECKING,
     (StagePhase.MEASURING, StageEvent.MEASUREMENT_INCOMPLETE): StagePhase.UNPLANNABLE,
     (StagePhase.CHECKING, StageEvent.CHECK_HELD): StagePhase.PLANNED,
+    (StagePhase.CHECKING, StageEvent.LENGTH_CHECK_HELD): StagePhase.CHECKING,
     (StagePhase.CHECKING, StageEvent.CHECK_MISSED): StagePhase.REPLAN_DUE,
     (StagePhase.REPLAN_DUE, StageEvent.REPLANNING): StagePhase.CHECKING,
 }

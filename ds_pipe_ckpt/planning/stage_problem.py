@@ -263,8 +263,10 @@ def _dynamic_buffer_bytes(facts: StageFacts, measured: LengthFigures, longest: L
     kept until the slot is reused, and on the last stage its outputs, the
     logits, which its backward does not free), the receive buffer and the
     gradient buffer, each up to the longest micro-batch, and briefly two of
-    one while it replaces it. What the measuring step showed of them at its
-    length is in the base; this is the rest, up to the longest length."""
+    one while it replaces it. What the measuring step showed of them, at
+    the length of its longest micro-batch (``measured``; its peak is where
+    that one is in flight), is in the base; this is the rest, up to the
+    longest length."""
     slots = max(2, facts.in_flight) + 2
     grown = longest.engine_bytes - measured.engine_bytes
     if facts.last_stage:
@@ -273,15 +275,19 @@ def _dynamic_buffer_bytes(facts: StageFacts, measured: LengthFigures, longest: L
 
 
 def length_problems(facts: StageFacts, unmodelled: Unmodelled, figures: Mapping[int, LengthFigures],
-                    edges: Sequence[int], measured_length: int) -> dict[int, StageProblem]:
+                    edges: Sequence[int], measured_length: int,
+                    step_longest_length: int | None = None) -> dict[int, StageProblem]:
     """The stage's problem at every bucket edge in ``edges`` (``figures`` has
-    them and ``measured_length``; each problem built with the measuring step's
-    unmodelled bytes in its base). What the measuring step showed beyond the
-    model was seen at the measured length: grown to each edge
-    (:func:`unmodelled_growth`), and the loss phase as the measured passes'
-    loss phases grew, less what the base counts of it."""
+    them, ``measured_length`` and ``step_longest_length``, the measuring
+    step's longest micro-batch, by default the measured one; each problem
+    built with the measuring step's unmodelled bytes in its base). What the
+    measuring step showed beyond the model was seen at the measured length:
+    grown to each edge (:func:`unmodelled_growth`), and the loss phase as the
+    measured passes' loss phases grew, less what the base counts of it; the
+    engine's buffers from the step's longest micro-batch on."""
     measured, longest = figures[measured_length], figures[max(edges)]
-    dynamic = _dynamic_buffer_bytes(facts, measured, longest)
+    buffers_seen = figures[measured_length if step_longest_length is None else step_longest_length]
+    dynamic = _dynamic_buffer_bytes(facts, buffers_seen, longest)
     problems = {}
     for length in edges:
         at_length = figures[length]

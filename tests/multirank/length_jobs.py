@@ -75,7 +75,8 @@ def train_variable_lengths(model: str, lengths: list[list[int]], fraction: float
     without checkpointing on a step at ``max_length``. Returns this rank's
     losses of both, the budget, every planned step's peak (the planner's own
     for the steps it measures and checks, ours around ``train_batch`` for the
-    others) and the plan."""
+    others) and the plan; where the planner refused the budget (a ConfigError
+    at a step's start), its message as ``refused`` and the steps before it."""
     track_cpu_allocations()
     engine, module = _engine(model, None)
     full = [[max_length] * MICRO_BATCHES] * 3
@@ -95,21 +96,28 @@ def train_variable_lengths(model: str, lengths: list[list[int]], fraction: float
         warnings.simplefilter("always", PlanPredictionWarning)
         engine, module = _engine(model, {"memory_budget_mb": budgets, "max_sequence_length": max_length})
         data = _batches(model, lengths)
-        losses, peaks = [], []
+        losses, peaks, refused = [], [], None
         for step in range(len(lengths)):
-            if step in (0, MEASURING_STEP, FIRST_PLANNED_STEP):
-                losses.append(float(engine.train_batch(data_iter=data)))
-                peaks.append(None)
-                continue
-            with track_memory("cpu") as tracker:
-                losses.append(float(engine.train_batch(data_iter=data)))
-            peaks.append(tracker.report.peak_bytes)
+            try:
+                if step in (0, MEASURING_STEP, FIRST_PLANNED_STEP):
+                    losses.append(float(engine.train_batch(data_iter=data)))
+                    peaks.append(None)
+                    continue
+                with track_memory("cpu") as tracker:
+                    losses.append(float(engine.train_batch(data_iter=data)))
+                peaks.append(tracker.report.peak_bytes)
+            except ds_pipe_ckpt.ConfigError as error:  # at a step's start, on every rank
+                refused = str(error)
+                break
     plan = module.checkpoint_plan
+    if refused is not None and plan is None:
+        return {"stage": engine.stage_id, "refused": refused, "losses": losses, "none_losses": none_losses,
+                "budget_bytes": int(budgets[engine.stage_id] * 2**20), "step_peaks": peaks}
     # The first step allocates the optimizer's state once: counted apart (the plan table says so).
-    peaks[0] = plan.first_step_peak_bytes - plan.first_step_kept_bytes
-    peaks[MEASURING_STEP] = plan.measuring_step_peak_bytes
-    peaks[FIRST_PLANNED_STEP] = plan.measured_peak_bytes
-    return {"stage": engine.stage_id, "none_losses": none_losses, "losses": losses,
+    planner_peaks = [plan.first_step_peak_bytes - plan.first_step_kept_bytes, plan.measuring_step_peak_bytes,
+                     plan.earlier_checks[0][1] if plan.earlier_checks else plan.measured_peak_bytes]
+    peaks[:len(planner_peaks)] = planner_peaks[:len(peaks)]
+    return {"stage": engine.stage_id, "refused": refused, "none_losses": none_losses, "losses": losses,
             "budget_bytes": int(budgets[engine.stage_id] * 2**20), "step_peaks": peaks,
             "bound_bytes": plan.predicted_peak_bytes, "earlier_checks": plan.earlier_checks,
             "first_step": (plan.first_step_peak_bytes, plan.first_step_kept_bytes),

@@ -8,6 +8,7 @@ from ds_pipe_ckpt.planning.stage_phase import IllegalStageTransition, StageEvent
     (StagePhase.MEASURING, StageEvent.MEASUREMENT_INCOMPLETE, StagePhase.UNPLANNABLE),
     (StagePhase.CHECKING, StageEvent.CHECK_HELD, StagePhase.PLANNED),
     (StagePhase.CHECKING, StageEvent.CHECK_MISSED, StagePhase.REPLAN_DUE),
+    (StagePhase.CHECKING, StageEvent.LENGTH_CHECK_HELD, StagePhase.CHECKING),
     (StagePhase.REPLAN_DUE, StageEvent.REPLANNING, StagePhase.CHECKING),
 ])
 def test_every_legal_transition(phase, event, after):
@@ -28,4 +29,4 @@ def test_only_the_listed_transitions_are_legal():
                 legal += 1
             except IllegalStageTransition:
                 pass
-    assert legal == 5
+    assert legal == 6
