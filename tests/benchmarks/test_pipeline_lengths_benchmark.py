@@ -54,9 +54,11 @@ def _records(pp: int = 2) -> list[list[dict]]:
                                                 "measured_by": "planner"})
                 record |= {"planning_s": 0.5 + stage, "predicted_peak_bytes": BUDGETS[stage],
                            "length_plans": [{"length": 32, "stored": 2, "checkpointed": 0, "selective": 0,
-                                             "held_bytes": 1, "recompute_s": 0.0},
+                                             "held_bytes": 1, "recompute_s": 0.0,
+                                             "predicted_peak_bytes": BUDGETS[stage] // 2},
                                             {"length": 64, "stored": 0, "checkpointed": 2, "selective": 0,
-                                             "held_bytes": 1, "recompute_s": 0.004}]}
+                                             "held_bytes": 1, "recompute_s": 0.004,
+                                             "predicted_peak_bytes": BUDGETS[stage]}]}
             records.append(record)
         per_rank.append(records)
     return per_rank
@@ -162,6 +164,11 @@ def test_markdown_and_json():
     assert "lengths drawn uniformly from [16, 64]; 5 warm-up, 2 measured and 2 timed steps" in text
     assert "- adaptive, stage 0: layers stored/checkpointed/selective and recomputation per micro-batch, by length: " \
            "<= 32: 2/0/0, 0.0 ms; <= 64: 0/2/0, 4.0 ms" in text
+    # The measuring step (step 1) is not a planned step; every later one's longest micro-batch is 64.
+    worst = max(peak for step, peak in next(r for r in comparison(records)[(2, 0.5)][1]
+                                            if r.config == ADAPTIVE).peaks_by_stage[0] if step > 1)
+    assert ("- adaptive, stage 0: predicted / measured peak MiB of a planned step, by the bucket of its longest "
+            f"micro-batch: <= 32: 2.00 / not seen; <= 64: 4.00 / {worst / MIB:.2f}") in text
     assert text.rstrip().endswith("adaptive / static = 0.86 (target <= 0.90): met; steps over budget: adaptive 0, "
                                   "static 0")
     document = json.loads(json.dumps(lengths_document(records, MACHINE, SCHEDULES)))
@@ -242,4 +249,7 @@ def test_a_tiny_launch_measures_every_configuration():
         assert row.steps_measured >= 2 * 4  # step 0, the measuring, first planned and the benchmark's step
         assert row.planning_s > 0
     assert [len(plans) for plans in by_config[ADAPTIVE].length_plans.values()] == [8, 8]
+    for stage, buckets in by_config[ADAPTIVE].bucket_peaks.items():
+        seen = [(edge, predicted, measured) for edge, predicted, measured in buckets if measured is not None]
+        assert seen and all(measured <= predicted for _, predicted, measured in seen), (stage, buckets)
     assert [len(plans) for plans in by_config[STATIC].length_plans.values()] == [1, 1]

@@ -212,7 +212,8 @@ def _plan_fields(run: _Run, schedule: LengthSchedule) -> dict:
         counts = length_plan.counts()
         per_length.append({"length": length_plan.length, "stored": counts[Decision.STORE],
                            "checkpointed": counts[Decision.CHECKPOINT], "selective": counts[Decision.SELECTIVE],
-                           "held_bytes": length_plan.held_bytes, "recompute_s": length_plan.plan.recompute_s})
+                           "held_bytes": length_plan.held_bytes, "recompute_s": length_plan.plan.recompute_s,
+                           "predicted_peak_bytes": plan.predicted_for(length_plan.length)})
     return {"planning_s": plan.planning_s, "predicted_peak_bytes": plan.predicted_peak_bytes,
             "planner_budget_bytes": plan.budget_bytes, "plans_made": len(plan.earlier_checks) + 1,
             "length_plans": per_length, "planner_step_peaks": _planner_peaks(plan, schedule)}

@@ -36,6 +36,10 @@ class LengthRow:
             (the planner's own first, for planned rows), the largest over the stage's ranks.
         planning_s: the planner's own time over the run, the largest over the stages.
         length_plans: per stage, the plan of each length bucket (planned rows).
+        bucket_peaks: per stage (planned rows), per length bucket ``(edge, predicted
+            peak, measured peak or None)``: the plan's prediction for a step whose
+            longest micro-batch is in the bucket, and the highest measured planned
+            step (from the first planned one) whose longest micro-batch was.
         reason: why the row did not run (e.g. the planner refused the budget), else None.
     """
 
@@ -45,6 +49,7 @@ class LengthRow:
     peaks_by_stage: Mapping[int, tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=dict)
     planning_s: float | None = None
     length_plans: Mapping[int, tuple[dict, ...]] = dataclasses.field(default_factory=dict)
+    bucket_peaks: Mapping[int, tuple[tuple[int, int, int | None], ...]] = dataclasses.field(default_factory=dict)
     reason: str | None = None
 
     @property
@@ -80,7 +85,24 @@ def _row(config: str, records: Sequence[dict]) -> LengthRow:
     return LengthRow(config, records[0]["mode"], tuple(max(times) for times in zip(*timed)),
                      {stage: tuple(sorted(slot.items())) for stage, slot in sorted(peaks.items())},
                      max(planning) if planning else None,
-                     {r["stage"]: tuple(r["length_plans"]) for r in records if r.get("length_plans")})
+                     {r["stage"]: tuple(r["length_plans"]) for r in records if r.get("length_plans")},
+                     {r["stage"]: _bucket_peaks(r) for r in records if r.get("length_plans")})
+
+
+# The planner's own steps before its first plan (step 0, the measuring step): not planned steps.
+_FIRST_PLANNED_STEP = 2
+
+
+def _bucket_peaks(record: dict) -> tuple[tuple[int, int, int | None], ...]:
+    """One rank's ``(edge, predicted, measured or None)`` per length bucket (:class:`LengthRow`)."""
+    plans = sorted(record["length_plans"], key=lambda plan: plan["length"])
+    measured: dict[int, int] = {}
+    for entry in record["step_peaks"]:
+        if entry["step"] < _FIRST_PLANNED_STEP:
+            continue
+        edge = next(plan["length"] for plan in plans if plan["length"] >= max(entry["lengths"]))
+        measured[edge] = max(entry["peak_bytes"], measured.get(edge, 0))
+    return tuple((plan["length"], plan["predicted_peak_bytes"], measured.get(plan["length"])) for plan in plans)
 
 
 def comparison(records: Sequence[dict]) -> dict[tuple[int, float], tuple[list[int], list[LengthRow]]]:
@@ -166,6 +188,12 @@ def _table(pp: int, fraction: float, budgets: Sequence[int], rows: Sequence[Leng
                                 f"{p['recompute_s'] * 1e3:.1f} ms" for p in plans)
             lines.append(f"- {row.config}, stage {stage}: layers stored/checkpointed/selective and recomputation "
                          f"per micro-batch, by length: {buckets}")
+        for stage, buckets in row.bucket_peaks.items():
+            peaks = "; ".join(f"<= {edge}: {predicted / MIB:.2f} / "
+                              + ("not seen" if measured is None else f"{measured / MIB:.2f}")
+                              for edge, predicted, measured in buckets)
+            lines.append(f"- {row.config}, stage {stage}: predicted / measured peak MiB of a planned step, by the "
+                         f"bucket of its longest micro-batch: {peaks}")
     return lines + [""]
 
 
