@@ -1,5 +1,6 @@
-"""What every benchmark subject records the same way: where and with what it
-ran (:func:`machine_info`). Imported by :mod:`benchmarks.checkpointing` and
+"""What every benchmark subject does the same way: record where and with what
+it ran (:func:`machine_info`), and wait for the device before reading a clock
+(:func:`synchronize`). Imported by :mod:`benchmarks.checkpointing` and
 :mod:`benchmarks.pipeline`; it imports neither, nor anything measured by only one
 of them.
 """
@@ -45,3 +46,9 @@ def machine_info(device: torch.device, threads: int) -> dict:
         "load_average_at_start": os.getloadavg(),
         "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (CUDA) before a clock is read; nothing on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -35,6 +35,7 @@ from examples.gpt.engine import pipeline_topology
 from .models import build_engine, model_description, training_batches
 from .modes import Layout, PipelineMode, Preset, base_config, merge_config, micro_batches_in_flight
 from .modes import modes as all_modes
+from ..common import synchronize
 
 __all__ = ["measure_layouts", "model_description"]
 
@@ -57,10 +58,6 @@ class _Run:
     def step(self) -> None:
         self.engine.train_batch(data_iter=self.batches)
 
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _warmup_steps(mode: PipelineMode, preset: Preset) -> int:
@@ -176,10 +173,10 @@ def _measure_layout(layout: Layout, preset: Preset, corpus: Corpus | None, threa
         for run in runs:
             run.activate()
             dist.barrier()
-            _synchronize(run.engine.device)
+            synchronize(run.engine.device)
             start = time.perf_counter()
             run.step()
-            _synchronize(run.engine.device)
+            synchronize(run.engine.device)
             run.samples_s.append(time.perf_counter() - start)
     records = _records(layout, preset, runs, threads) + unavailable
     runs.clear()

@@ -45,6 +45,7 @@ from .runner import (ADAPTIVE, NONE, SELECTION_STEPS, STATIC, UNIFORM_BEST, Leng
 from ..models import EncoderConfig, LlamaSizes, _encoder_specs, default_partition, model_description
 from ..modes import PipelineMode, Preset, base_config, merge_config, micro_batches_in_flight, modes
 from ..report import summarize
+from ...common import synchronize
 
 __all__ = ["measure_lengths"]
 
@@ -119,16 +120,12 @@ class _Run:
 
     def timed_step(self, lengths: Sequence[int], seed: int) -> None:
         dist.barrier()
-        _synchronize(self.engine.device)
+        synchronize(self.engine.device)
         start = time.perf_counter()
         self.step(lengths, seed)
-        _synchronize(self.engine.device)
+        synchronize(self.engine.device)
         self.samples_s.append(time.perf_counter() - start)
 
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _new_run(name: str, mode: PipelineMode, preset: Preset, pp: int, fraction: float | None = None) -> _Run:
