@@ -107,7 +107,7 @@ _steps = st.lists(st.lists(st.integers(min_value=1, max_value=MAX_LENGTH), min_s
 
 # Each example is a 2-rank launch training two engines: few examples, no shrinking
 # (a failure prints the schedule and fraction as drawn).
-@settings(max_examples=3, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+@settings(max_examples=2, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
           suppress_health_check=[HealthCheck.too_slow])
 @given(schedule=_steps, fraction=st.floats(min_value=0.5, max_value=0.9))
 def test_drawn_length_schedules_keep_the_budget_or_are_refused_before_a_step_breaks_it(schedule, fraction):
