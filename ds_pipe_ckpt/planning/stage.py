@@ -59,7 +59,7 @@ from .problem import StageProblem
 from .profile import LayerMeter, tensor_bytes
 from .shapes import SequenceLengths
 from .solver import plan_stage
-from .stage_budget import StepCheck, budget_from_max_memory, no_plan_fits
+from .stage_budget import StepCheck, auto_max_memory_bytes, budget_from_max_memory, no_plan_fits
 from .stage_lengths import StageLengths
 from .stage_measurement import BACKWARD_BEGINS, FORWARD_ENDS, StageMeasurement, StageMeasurer
 from .stage_phase import StageEvent, StagePhase, next_phase
@@ -69,12 +69,6 @@ from .stage_problem import (KnownBuffer, LengthFigures, StageFacts, Unmodelled, 
 from .step_tracking import StepMemory, TrackedStep
 
 __all__ = ["StagePlanner", "PlanPredictionWarning"]
-
-# max_memory_mb "auto": a CUDA device's capacity less this share, for what the
-# caching allocator's counters do not see: the CUDA context, NCCL's buffers and
-# the allocator's fragmentation.
-AUTO_MARGIN = 0.10
-
 
 class PlanPredictionWarning(UserWarning):
     """A stage's measured peak memory was above its plan's prediction, or
@@ -130,12 +124,8 @@ class StagePlanner:
         self.planning_s = 0.0  # the planner's own time (measuring every length, solving), over the run
         self.device = next((p.device for p in module.parameters()), torch.device("cpu"))
         if max_memory_bytes == "auto":
-            if self.device.type != "cuda":
-                raise ConfigError(self.budget_key, "auto", "a number of MiB on a device other than CUDA",
-                                  f"\"auto\" is a CUDA device's capacity; pipeline stage {self.stage} runs on "
-                                  f"{self.device.type}.")
-            capacity = torch.cuda.get_device_properties(self.device).total_memory
-            self.max_memory_bytes = int(capacity * (1 - AUTO_MARGIN))
+            capacity = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
+            self.max_memory_bytes = auto_max_memory_bytes(self.budget_key, self.stage, self.device.type, capacity)
         self.measurer = StageMeasurer(module, self.device, self._options, self._save_ops)
         if self.device.type == "cpu":
             memory.track_cpu_allocations()  # before the tensors the checked step frees exist

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 
-__all__ = ["PREDICTION_TOLERANCE", "MAX_CALIBRATIONS", "budget_from_max_memory", "no_plan_fits", "StepCheck"]
+__all__ = ["PREDICTION_TOLERANCE", "MAX_CALIBRATIONS", "AUTO_MARGIN", "auto_max_memory_bytes", "budget_from_max_memory",
+           "no_plan_fits", "StepCheck"]
 
 # The prediction is an upper bound of the measured peak (a step above it is
 # planned again); this is how far above the measured peak it may be, the
@@ -22,6 +23,19 @@ __all__ = ["PREDICTION_TOLERANCE", "MAX_CALIBRATIONS", "budget_from_max_memory",
 PREDICTION_TOLERANCE = 0.10
 MAX_CALIBRATIONS = 2  # plans made again after a measured step that did not fit the prediction
 MIB = 2**20
+# max_memory_mb "auto": a CUDA device's capacity less this share, for what the
+# caching allocator's counters do not see: the CUDA context, NCCL's buffers and
+# the allocator's fragmentation.
+AUTO_MARGIN = 0.10
+
+
+def auto_max_memory_bytes(key: str, stage: int, device_type: str, capacity_bytes: int) -> int:
+    """``max_memory_mb: "auto"`` on a device of ``capacity_bytes``: that less
+    :data:`AUTO_MARGIN`; a ConfigError naming ``key`` on a device other than CUDA."""
+    if device_type != "cuda":
+        raise ConfigError(key, "auto", "a number of MiB on a device other than CUDA",
+                          f"\"auto\" is a CUDA device's capacity; pipeline stage {stage} runs on {device_type}.")
+    return int(capacity_bytes * (1 - AUTO_MARGIN))
 
 
 def budget_from_max_memory(key: str, max_memory_bytes: int, step_start_bytes: int | None, stage: int) -> int:
