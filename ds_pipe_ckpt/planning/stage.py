@@ -115,6 +115,7 @@ class StagePlanner:
         self.loss_phase_peak_bytes: int | None = None
         self.unmeasured: list[str] = []  # layers the measuring step could not measure (then no plan)
         self.calibrations = 0
+        self.length_checks = 0  # checked planned steps, with variable lengths
         self.unmodelled_bytes = 0  # what measured steps showed beyond the model (>= 0)
         # What the measuring step showed of it, in parts (set with the first plan).
         self.unmodelled = Unmodelled()
@@ -425,6 +426,7 @@ class StagePlanner:
             self.step_start_bytes = report.start_bytes
             return
         planned, edge = self.planned, self._step_longest_edge
+        self.length_checks += edge is not None
         predicted = planned.predicted_for(edge)
         planned.record_check(edge, predicted, measured)
         check = StepCheck(self.stage, predicted, measured, self.budget_bytes, self.calibrations)
@@ -434,8 +436,8 @@ class StagePlanner:
             self.calibrations += 1
             self.unmodelled_bytes += check.unseen_bytes
             self._advance(StageEvent.CHECK_MISSED)
-        elif planned.unseen_edges and planned.checked_steps < len(planned.lengths.by_length):
-            # Until each bucket has been a checked step's longest, at most one step per bucket.
+        elif planned.unseen_edges and self.length_checks < len(self.lengths.edges):
+            # Until each bucket has been a checked step's longest: over the run, one step per bucket at most.
             self._advance(StageEvent.LENGTH_CHECK_HELD)
         else:
             self._advance(StageEvent.CHECK_HELD)

@@ -17,8 +17,9 @@ Per pipeline depth, one launch (:mod:`benchmarks.pipeline.lengths.rank`) runs:
    for every configuration: ``none``, each distinct ``uniform_best``, and per
    F ``adaptive`` (``memory_budget_mb`` and ``max_sequence_length``, the default
    ``length_buckets``) and ``static`` (the same with ``"length_buckets": 1``).
-   Each runs the warm-up steps (the planner's own first steps and possible
-   plans made again: :data:`benchmarks.pipeline.budget.PLANNED_WARMUP_STEPS`),
+   Each runs the warm-up steps (the planner's own first steps, possible
+   plans made again and its checks of each length bucket:
+   :data:`LENGTH_WARMUP_STEPS`),
    then the measured steps (each stage's peak around ``train_batch``), then
    the timed steps, round-robin across the configurations, without the
    profiler.
@@ -40,10 +41,13 @@ from typing import Callable, Mapping
 
 from ds_pipe_ckpt.testing import RankFailure
 
+from ds_pipe_ckpt.config import LENGTH_BUCKETS
+
 from ..budget import PLANNED_WARMUP_STEPS, planned_mode
 from ..modes import PipelineMode, merge_config
 
-__all__ = ["ADAPTIVE", "STATIC", "NONE", "UNIFORM_BEST", "MEASURED_STEPS", "SELECTION_STEPS", "LengthSchedule",
+__all__ = ["ADAPTIVE", "STATIC", "NONE", "UNIFORM_BEST", "MEASURED_STEPS", "SELECTION_STEPS", "LENGTH_WARMUP_STEPS",
+           "LengthSchedule",
            "length_schedule", "adaptive_mode", "static_mode", "length_records", "LengthLauncher"]
 
 ADAPTIVE, STATIC, NONE, UNIFORM_BEST = "adaptive", "static", "none", "uniform_best"
@@ -52,6 +56,10 @@ MEASURED_STEPS = 4
 # Timed steps at the maximum length per uniform interval, to pick the fastest that fits.
 SELECTION_STEPS = 2
 LENGTH_SEED = 0
+# The planner checks (profiles, on CPU) at most one step per length bucket besides
+# its own first steps and calibrations: all of them in the warm-up, none in the
+# measured or timed steps.
+LENGTH_WARMUP_STEPS = PLANNED_WARMUP_STEPS + LENGTH_BUCKETS
 
 # Runs one launch at pipeline depth pp on a schedule; returns every rank's records; raises RankFailure.
 LengthLauncher = Callable[[int, "LengthSchedule"], list[dict]]
@@ -79,7 +87,7 @@ class LengthSchedule:
 
 
 def length_schedule(max_length: int, micro_batches: int, timed: int, measured: int = MEASURED_STEPS,
-                    warmup: int = PLANNED_WARMUP_STEPS, seed: int = LENGTH_SEED) -> LengthSchedule:
+                    warmup: int = LENGTH_WARMUP_STEPS, seed: int = LENGTH_SEED) -> LengthSchedule:
     """``warmup + measured + timed`` steps of ``micro_batches`` lengths each,
     drawn uniformly from ``[ceil(max_length / 4), max_length]`` by a generator
     seeded with ``seed``.
