@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ds_pipe_ckpt.memory import MemoryReport, MemoryTracker, track_memory
+from ds_pipe_ckpt.memory import MemoryReport, MemoryTracker, track_cpu_allocations, track_memory
 
 from .variants import CheckpointFn, Variant, variant
 from .workloads import Workload, build_workload
@@ -111,10 +111,27 @@ class Stage:
         """Memory of one step above what is allocated before it, checked.
 
         The check, on CPU: what the tracker counts as still allocated at the end
-        must be exactly :attr:`gradient_bytes`. A free made by a thread the
-        profiler does not follow goes unseen (it happens with gloo collectives
-        in the step), and every figure after it is overstated; such a step is
-        measured again and the first exact one is returned. (CUDA's allocator
+        must be exactly :attr:`gradient_bytes`; a step that ends otherwise is
+        measured again and the first exact one is returned. What the check
+        catches: a block whose free the tracker does not see, or sees late. A
+        gloo collective in the step (``ours_partitioned``'s all-gather) is run
+        by one of gloo's worker threads, whose work item holds the input and
+        output tensors until that thread is done with it, which can be after
+        the caller's ``wait()`` has returned; whichever of the two threads lets
+        go last frees the blocks, and in these steps it is mostly the worker
+        (a bare all-gather of 256 KiB shards in a loop showed the 768 KiB of
+        shard and output freed after the caller's region had ended). Unless
+        :func:`~ds_pipe_ckpt.memory.track_cpu_allocations` is on, a free on
+        that unprofiled thread is never subtracted, every figure after it is
+        overstated, and on 2 CPU cores most steps end 0.1 to 3 MiB over (of
+        20 steps in a rank, 0 to 5 were exact): :func:`measure_in_rank` turns
+        it on. With it on, every figure is what the allocator had handed out
+        at that instant, gloo's held blocks included: a worker that lets go
+        only after the end of the region leaves blocks that really were still
+        allocated then, and that step is measured again; one that lets go late
+        but before the end raises the peak by what it held (``alexnet_stage``,
+        quick, 2 CPU cores: 14.1 MiB in most steps, 14.5 or 15.0 MiB in about
+        1 in 10, every one of them exact at the end). (CUDA's allocator
         counters see every free; they also round sizes up, so the check does
         not apply there.) ``agree`` turns
         "this rank has an exact measurement" into "every rank has one", so that
@@ -184,10 +201,21 @@ def measure_in_rank(jobs: Sequence[tuple[str, str]], preset: str, device_type: s
     :func:`ds_pipe_ckpt.testing.run_ranks`: each ``(workload, variant)`` of
     ``jobs`` measured as :func:`measure_variants` does, on this rank's process
     group and device (``cuda:LOCAL_RANK`` for ``device_type="cuda"``).
-    Returns :meth:`Result.as_json` records."""
+    Returns :meth:`Result.as_json` records.
+
+    On CPU it turns on :func:`~ds_pipe_ckpt.memory.track_cpu_allocations`
+    before it builds the first stage and leaves it on, so that the frees gloo's
+    worker threads make are counted (see :meth:`Stage.measure_memory`). The
+    timed steps run with it on too; its cost (about 2 us per allocation) did
+    not show in them: ``ours_partitioned`` on the quick ``alexnet_stage``,
+    alternating steps on and off, 2 ranks on 2 CPU cores: median 172 ms on,
+    174 ms off.
+    """
     torch.set_num_threads(threads)
     rank = torch.distributed.get_rank()
     device = torch.device(device_type)
+    if device.type == "cpu":
+        track_cpu_allocations()
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)

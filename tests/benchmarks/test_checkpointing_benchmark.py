@@ -3,6 +3,7 @@ checkpointing) build and run, and their target is read against torch's own
 checkpoint. The figures themselves are measured on a quiet machine
 (docs/performance.md), never asserted here."""
 
+import pytest
 import torch
 
 from benchmarks.checkpointing import runner
@@ -74,3 +75,30 @@ def test_the_region_loop_measures_the_ablations(capsys):
     for name in ("ours", "ours_check_off", "ours_no_renaming", "ours_bare_call"):
         assert f"{name} / torch" in out
     assert (SavedTensorProbe.run_forward, RegionCall.__call__) == before  # the patches are undone
+
+
+def test_rank_measurements_count_frees_on_every_thread(monkeypatch):
+    """measure_in_rank turns on the CPU allocator's process-wide size records
+    before it builds a stage: gloo's worker threads free the buffers of the
+    partitioned variant's all-gathers, and without the records those frees
+    are never subtracted (steps end 0.1 to 3 MiB over; UnaccountedMemoryError)."""
+    from benchmarks.checkpointing import measure
+    from ds_pipe_ckpt.memory import cpu_allocations_tracked, track_cpu_allocations
+
+    seen = []
+
+    def build_workload_stub(name, preset):
+        seen.append(cpu_allocations_tracked())
+        raise LookupError("stop before the stage is built")
+
+    threads = torch.get_num_threads()
+    previous = track_cpu_allocations(False)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    monkeypatch.setattr(measure, "build_workload", build_workload_stub)
+    try:
+        with pytest.raises(LookupError):
+            measure.measure_in_rank([("alexnet_stage", "ours_partitioned")], "quick", "cpu", 5, 1, threads)
+    finally:
+        track_cpu_allocations(previous)
+        torch.set_num_threads(threads)
+    assert seen == [True]
