@@ -124,7 +124,7 @@ schedules = st.lists(st.lists(lengths, min_size=MICRO_BATCHES, max_size=MICRO_BA
 
 
 # No shrinking: each example trains two models; a failure prints the schedule and budget as drawn.
-@settings(max_examples=8, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate], suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=5, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate], suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(schedule=schedules, fraction=st.floats(min_value=0.35, max_value=1.0))
 def test_no_step_goes_over_the_budget_and_the_losses_are_exact(single_rank_process_group, schedule, fraction):
     track_cpu_allocations()
