@@ -92,7 +92,7 @@ from .report import markdown, summarize, write_budget_png, write_json, write_png
 
 __all__ = ["main"]
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]  # benchmarks/pipeline/runner.py
 # Seconds per launch before its ranks are killed (the full run's 8-rank launch
 # takes a few minutes on 2 busy cores).
 LAUNCH_TIMEOUT = 1200
