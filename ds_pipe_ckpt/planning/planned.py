@@ -30,7 +30,6 @@ class PlannedStage:
     # Variable lengths: per bucket edge, the highest peak of this plan's checked steps
     # whose longest micro-batch was in that bucket.
     measured_by_length: dict[int, int] = field(default_factory=dict)
-    checked_steps: int = 0  # steps of this plan whose peak was checked
     last_check: tuple[int, int] | None = None  # (predicted, measured) peak of the latest of them
     # (predicted, measured) peak of each earlier plan of this stage whose measured
     # step did not fit its prediction (this plan was made after them).
@@ -69,7 +68,6 @@ class PlannedStage:
             self.measured_peak_bytes = measured_bytes
         if edge is not None:
             self.measured_by_length[edge] = max(measured_bytes, self.measured_by_length.get(edge, 0))
-        self.checked_steps += 1
         self.last_check = (predicted_bytes, measured_bytes)
 
     @property
