@@ -45,11 +45,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-# What a rank process starts from where no CUDA would be initialised by importing
-# them (DS_ACCELERATOR=cpu): a fork server that has imported these once, so that
-# each rank forks from it instead of importing torch and DeepSpeed again (about 4
-# CPU-seconds a rank). With CUDA, forking after DeepSpeed's accelerator probe is
-# unsafe: ranks are spawned.
+# Imported once by the fork server that ranks fork from where DS_ACCELERATOR=cpu,
+# instead of by every rank (about 4 CPU-seconds each). With CUDA, forking after
+# DeepSpeed's accelerator probe is unsafe: ranks are spawned.
 PRELOADED_MODULES = ("torch", "torch.distributed", "deepspeed", "ds_pipe_ckpt")
 
 

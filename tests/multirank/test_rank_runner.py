@@ -55,9 +55,9 @@ def test_a_rank_that_raises_is_named_with_its_traceback():
 
 def test_a_rank_that_hangs_is_named_after_the_timeout():
     """The timeout counts from the start: it must cover the ranks' start-up.
-    Forked from the preloaded server (DS_ACCELERATOR=cpu) that is the
-    rendezvous, about 1 s once a first call has started the server; spawned,
-    importing torch and DeepSpeed took over 25 s on a loaded 2-core machine."""
+    Forked from the preloaded server (DS_ACCELERATOR=cpu, once a first call
+    has started it) that is the rendezvous, about 1 s; spawned, importing
+    torch and DeepSpeed took over 25 s on a loaded 2-core machine."""
     timeout = 10 if rank_start_method() == "forkserver" else 40
     run_ranks(rank_and_sum, 2, timeout=120)  # the server is up
     start = time.monotonic()
