@@ -50,6 +50,7 @@ peak (they do in every total taken while they live).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import os
@@ -242,15 +243,21 @@ def _report_from_events(event_tree: Iterable[Any], mark_names: list[str]) -> Mem
         raise RuntimeError(f"the profiler recorded no allocation event for the memory probes {missing}; "
                            "is another profiler with profile_memory=False active in this thread?")
     (start_ns, base), (end_ns, end) = probes[_START], probes[_END]
-    inside = [total for time_ns, total in allocations if start_ns <= time_ns <= end_ns]
+    allocations.sort()
+    times = [time_ns for time_ns, _ in allocations]
+
+    def highest(first_ns: int, last_ns: int) -> int:
+        """The highest total of the allocation events from ``first_ns`` to ``last_ns``, less the start."""
+        inside = allocations[bisect.bisect_left(times, first_ns):bisect.bisect_right(times, last_ns)]
+        return max((total for _, total in inside), default=base) - base
+
     marks = {name: probes[name][1] - base for name in mark_names}
-    peak = max([0, end - base, *marks.values(), *(total - base for total in inside)])
+    peak = max([0, end - base, *marks.values(), highest(start_ns, end_ns)])
     interval_peaks = {}
     previous_ns, previous_bytes = start_ns, 0
     for name in mark_names:  # in the order they were made
         mark_ns = probes[name][0]
-        inside_interval = [total - base for time_ns, total in allocations if previous_ns <= time_ns <= mark_ns]
-        interval_peaks[name] = max([0, previous_bytes, marks[name], *inside_interval])
+        interval_peaks[name] = max(0, previous_bytes, marks[name], highest(previous_ns, mark_ns))
         previous_ns, previous_bytes = mark_ns, marks[name]
     return MemoryReport(peak_bytes=peak, final_bytes=end - base, marks=marks, start_bytes=base,
                         interval_peaks=interval_peaks)
