@@ -33,6 +33,26 @@ sum (a_i - s_i).
 The last segment's transient is at least ``held_gradient_bytes`` and
 ``backward_start_bytes`` (below).
 
+A segment's forward (of the micro-batch that fills the stage, while ``k - 1``
+others are held) peaks at ``H_<j + forward_j``, with f_i the layers'
+``forward_peak_bytes`` (what a stored layer's forward holds at once beyond
+the saved bytes of the layers before it) and ``A_l`` the saved bytes of the
+segment's layers before ``l``::
+
+    forward_j = max_l (A_l + f_l)                   STORE
+    forward_j = f_start + max_{l > start} f_l       CHECKPOINT, SELECTIVE
+
+(a checkpointed forward keeps fewer of its layers' tensors than a stored
+one: f bounds it; the segment's input stays alive through it). With a kept
+graph (below) a STORE segment's forward is ``held_j + max_l (f_l - a_l)``,
+which leaves out the later layers' saved bytes so that the term stays local
+to the segment. The forward meets the base but for ``backward_only_bytes``,
+so every segment's transient is also at least ``forward_j - held_j -
+backward_only_bytes``: a layer whose forward holds more than its backward (a
+distance matrix reduced to an index, a cast copy, the output under way) then
+decides the peak where it runs. Split into one-layer STORE segments, a STORE
+run's forward terms are the same, so the solvers' decomposition holds.
+
 Which decisions a segment may take is said in :mod:`.plan`.
 
 With ``k`` micro-batches in flight on the stage (DeepSpeed's 1F1B
@@ -162,6 +182,28 @@ class ChainCosts:
                 running = max(running, u[end]) if end > start + 1 else u[end]
                 self._peak_u[start][end] = running
         self._n = n
+        # The forwards. _forward_stored[s][e]: a STORE segment's forward beyond what it holds,
+        # max over l in [s, e) of (A[l] + f_l) - A[e]; with a kept graph the peak is
+        # k * H + max_j transient_j, and a term local to the segment leaves out what is held
+        # after l: max of (f_l - a_l). _forward_after[s][e]: max over l in (s, e) of f_l (0 for one layer).
+        forward = [layer.forward_peak_bytes for layer in layers]
+        self._forward = forward
+        self._forward_stored = [[0] * (n + 1) for _ in range(n + 1)]
+        self._forward_after = [[0] * (n + 1) for _ in range(n + 1)]
+        for start in range(n):
+            stored = -math.inf
+            after = 0
+            for end in range(start + 1, n + 1):
+                last = end - 1
+                if problem.backward_keeps_graph:
+                    stored = max(stored, forward[last] - layers[last].saved_bytes)
+                    self._forward_stored[start][end] = stored
+                else:
+                    stored = max(stored, self._saved[last] + forward[last])
+                    self._forward_stored[start][end] = stored - self._saved[end]
+                after = max(after, forward[last]) if last > start else 0
+                self._forward_after[start][end] = after
+        self._backward_only = problem.backward_only_bytes
         # What the end of the forwards holds beyond k * H: the last segment's least transient.
         self._last_floor = max(problem.held_gradient_bytes, problem.backward_start_bytes)
         self._selective_saved = _prefix(layer.selective_saved_bytes or 0 for layer in layers)
@@ -169,7 +211,7 @@ class ChainCosts:
         self._checkpointable = _prefix(int(layer.checkpointable) for layer in layers)
         units, unit = _exact_time_units([layer.forward_s for layer in layers] +
                                         [layer.selective_recompute_s or 0.0 for layer in layers])
-        self._forward = _prefix(units[:len(layers)])
+        self._forward_units = _prefix(units[:len(layers)])
         self._selective_recompute = _prefix(units[len(layers):])
         self.time_unit_s = unit
 
@@ -191,12 +233,17 @@ class ChainCosts:
         if decision is Decision.STORE:
             # Kept graph: the segment's layers are not freed under the later gradients.
             grads = self._grads_after[start + 1] if self._keeps_graph else peak_u - self._saved[end]
-            return SegmentCost(saved, max(grads, floor), 0)
+            forward = self._forward_stored[start][end] - self._backward_only
+            return SegmentCost(saved, max(grads, floor, forward), 0)
         rebuilt = peak_u - self._saved[start] - self._input_saved[start]  # the held input is not rebuilt
+        # Beyond what the segment holds (its input; the selective outputs, which its forward makes too).
+        forward = (self._forward[start] + self._forward_after[start][end] - self._input[start]
+                   - self._backward_only)
         if decision is Decision.CHECKPOINT:
-            return SegmentCost(self._input[start], max(rebuilt, floor), self._forward[end] - self._forward[start])
+            return SegmentCost(self._input[start], max(rebuilt, floor, forward),
+                               self._forward_units[end] - self._forward_units[start])
         selective_saved = self._selective_saved[end] - self._selective_saved[start]
-        return SegmentCost(self._input[start] + selective_saved, max(rebuilt - selective_saved, floor),
+        return SegmentCost(self._input[start] + selective_saved, max(rebuilt - selective_saved, floor, forward),
                            self._selective_recompute[end] - self._selective_recompute[start])
 
     def seconds(self, units: int) -> float:

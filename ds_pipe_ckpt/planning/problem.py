@@ -24,7 +24,12 @@ A stage runs a chain of ``n`` layers. Layer ``i`` is described by a
   layer's own input. A checkpoint region starting at layer ``i`` holds that
   input anyway, so its recomputation does not add it again;
 * ``checkpointable``: False for a layer that must be stored (one excluded by
-  the pipeline's ``checkpointable_layers``).
+  the pipeline's ``checkpointable_layers``);
+* ``forward_peak_bytes`` f_i: the most the layer's forward holds at once, run
+  without checkpointing, beyond what the layers before it saved: its input
+  (all of it, unless it is the stage's input, which the engine holds), what
+  it saves as it goes, its temporaries (a distance matrix it reduces, a cast)
+  and its output. 0 where it was not measured.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ class LayerProfile:
     checkpointable: bool = True
     grad_bytes: int = 0
     input_saved_bytes: int = 0
+    forward_peak_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -90,6 +96,7 @@ class LayerProfile:
             raise TypeError(f"{owner}: checkpointable must be a bool, got {self.checkpointable!r}")
         require_int(owner, "grad_bytes", self.grad_bytes, 0)
         require_int(owner, "input_saved_bytes", self.input_saved_bytes, 0)
+        require_int(owner, "forward_peak_bytes", self.forward_peak_bytes, 0)
         if self.input_saved_bytes > min(self.saved_bytes, self.input_bytes):
             raise ValueError(f"{owner}: input_saved_bytes ({self.input_saved_bytes}) must not exceed saved_bytes "
                              f"({self.saved_bytes}) nor input_bytes ({self.input_bytes})")
@@ -111,10 +118,14 @@ class StageProblem:
     error messages; ``allow_selective=False`` keeps the solver from choosing
     SELECTIVE (the evaluation functions still price any valid plan);
     ``backward_keeps_graph`` prices plans for a backward that keeps each
-    micro-batch's stored activations until its end (:mod:`.cost_model`).
+    micro-batch's stored activations until its end (:mod:`.cost_model`);
+    ``backward_only_bytes`` is the part of ``base_bytes`` that only a backward
+    meets (the activation gradient in flight between segments): the forwards'
+    peaks are priced without it.
 
     Raises TypeError or ValueError naming the field for an empty chain, a
-    non-layer element, ``in_flight < 1`` or a negative byte count.
+    non-layer element, ``in_flight < 1``, a negative byte count or
+    ``backward_only_bytes > base_bytes``.
     """
 
     layers: tuple[LayerProfile, ...]
@@ -126,6 +137,7 @@ class StageProblem:
     held_gradient_bytes: int = 0
     backward_keeps_graph: bool = False
     backward_start_bytes: int = 0
+    backward_only_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.label, str):
@@ -142,6 +154,10 @@ class StageProblem:
         require_int(owner, "base_bytes", self.base_bytes, 0)
         require_int(owner, "held_gradient_bytes", self.held_gradient_bytes, 0)
         require_int(owner, "backward_start_bytes", self.backward_start_bytes, 0)
+        require_int(owner, "backward_only_bytes", self.backward_only_bytes, 0)
+        if self.backward_only_bytes > self.base_bytes:
+            raise ValueError(f"{owner}: backward_only_bytes ({self.backward_only_bytes}) must not exceed base_bytes "
+                             f"({self.base_bytes}): it is the part of the base that only the backward meets")
         if not isinstance(self.allow_selective, bool):
             raise TypeError(f"{owner}: allow_selective must be a bool, got {self.allow_selective!r}")
         if not isinstance(self.backward_keeps_graph, bool):

@@ -9,7 +9,10 @@ observer hook (:class:`~ds_pipe_ckpt.region_call.RegionCall`), a
 * in the forward: the bytes of the layer's tensor inputs, the bytes autograd
   saves for its backward (what it would keep without checkpointing: each
   storage counted once per stage, parameters and the stage input, which are
-  held anyway, not at all) and its forward time;
+  held anyway, not at all), its forward time, and the most its forward holds
+  at once as a stored layer runs it: the saved tensors are kept until the
+  forward ends, and the step's memory tracker, marked before and after it
+  (``marker``), gives the peak in between (:meth:`LayerMeter.read_forward_peak`);
 * in the recomputation (run to the end, op by op through a dispatch mode): the
   bytes of the outputs selective checkpointing would keep (the save set of
   :mod:`ds_pipe_ckpt.selective`) and the share of the layer's op time those ops
@@ -133,7 +136,8 @@ class LayerMeter:
 
     def __init__(self, name: str, ledger: StorageLedger, save_ops: frozenset, device: torch.device,
                  first_layer: bool, checkpointable: bool = True,
-                 before_recomputation: Callable[[], None] | None = None):
+                 before_recomputation: Callable[[], None] | None = None,
+                 marker: Callable[[str], None] | None = None):
         self.name = name
         # A layer the pipeline may not checkpoint runs plainly (it is always stored):
         # only its forward is measured.
@@ -151,6 +155,23 @@ class LayerMeter:
         self.selective_share: float | None = None  # of the op time, spent in save-set ops
         self.backward_keeps_graph: bool | None = None  # None: not seen (or this torch cannot tell)
         self.before_recomputation = before_recomputation  # called as the recomputation begins
+        # Marks the memory tracker of the measured pass (None: nothing tracks it, e.g. another profiler).
+        self.marker = marker
+        self.forward_peak_bytes: int | None = None  # see read_forward_peak
+
+    @property
+    def _forward_marks(self) -> tuple[str, str]:
+        return f"ds_pipe_ckpt: {self.name} forward begins", f"ds_pipe_ckpt: {self.name} forward ends"
+
+    def read_forward_peak(self, marks: dict[str, int], interval_peaks: dict[str, int]) -> None:
+        """The most the forward held at once (:attr:`~.problem.LayerProfile.forward_peak_bytes`),
+        from the tracker's report of the pass whose forward ``marker`` marked
+        (its ``marks`` and ``interval_peaks``): its input (not the stage's)
+        and the peak between the two marks above the first. Left None where
+        the marks are not in the report."""
+        begins, ends = self._forward_marks
+        if begins in marks and ends in interval_peaks and self.input_bytes is not None:
+            self.forward_peak_bytes = self.input_bytes + max(0, interval_peaks[ends] - marks[begins])
 
     @property
     def complete(self) -> bool:
@@ -173,20 +194,29 @@ class LayerMeter:
         ledger = self.ledger
         input_storages = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
 
+        kept = []  # the saved tensors, alive until the forward ends, as a stored layer keeps them
+
         def pack(tensor: torch.Tensor) -> Any:
             self.saved_tensors += 1
+            kept.append(tensor)
             charged = ledger.charge(tensor)
             self.saved_bytes += charged
             if tensor.untyped_storage().data_ptr() in input_storages:
                 self.input_saved_bytes += charged
             return pack_inner(tensor)
 
+        begins, ends = self._forward_marks
+        if self.marker is not None:
+            self.marker(begins)
         synchronize(self.device)
         started = time.perf_counter()
         with TransparentHooks(pack, unpack_inner):
             out = run(args)
         synchronize(self.device)
         self.forward_s = time.perf_counter() - started
+        if self.marker is not None:
+            self.marker(ends)
+        kept.clear()
         return out
 
     def recomputation(self, run: Callable[[tuple], Any], args: tuple) -> Any:
@@ -209,14 +239,17 @@ class LayerMeter:
         if not self.complete:
             raise RuntimeError(f"ds_pipe_ckpt: layer {self.name} was not measured completely")
         input_bytes = int(round(self.input_bytes * input_bytes_scale))
+        forward_peak = self.forward_peak_bytes or 0
         # The recomputation reuses the held input: only as much of it as is held.
         input_saved = min(self.input_saved_bytes, input_bytes)
         if not self.checkpointable:
             return LayerProfile(name=self.name, input_bytes=input_bytes, saved_bytes=self.saved_bytes,
-                                forward_s=self.forward_s, checkpointable=False, input_saved_bytes=input_saved)
+                                forward_s=self.forward_s, checkpointable=False, input_saved_bytes=input_saved,
+                                forward_peak_bytes=forward_peak)
         if self.saves_nothing:  # never recomputed: checkpointed or selective, it keeps nothing and costs nothing
             return LayerProfile(name=self.name, input_bytes=input_bytes, input_saved_bytes=0, saved_bytes=0,
-                                forward_s=self.forward_s, selective_saved_bytes=0, selective_recompute_s=0.0)
+                                forward_s=self.forward_s, selective_saved_bytes=0, selective_recompute_s=0.0,
+                                forward_peak_bytes=forward_peak)
         # Selective checkpointing keeps the outputs of the save-set ops whether or
         # not autograd would have: where that is more than the layer saves without
         # checkpointing, it is never better than storing the layer; leave it out.
@@ -227,4 +260,5 @@ class LayerMeter:
                             saved_bytes=self.saved_bytes,
                             forward_s=self.forward_s,
                             selective_saved_bytes=self.selective_saved_bytes if selective else None,
-                            selective_recompute_s=self.forward_s * (1.0 - self.selective_share) if selective else None)
+                            selective_recompute_s=self.forward_s * (1.0 - self.selective_share) if selective else None,
+                            forward_peak_bytes=forward_peak)

@@ -39,6 +39,7 @@ set; ``ds_pipe_ckpt.initialize`` creates it through ``PipelineModule.enable_plan
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from typing import Any
@@ -168,7 +169,8 @@ class StagePlanner:
         measure = self.measurement is None and self.forwards == self.micro_batches + 1
         if measure:
             inputs = x if isinstance(x, tuple) else (x, )
-            meters = self.measurer.new_meters(inputs, before_recomputation=self._backward_begins)
+            meters = self.measurer.new_meters(inputs, before_recomputation=self._backward_begins,
+                                              marker=functools.partial(self._mark_once, every_stage=True))
             self.measurement = StageMeasurement(meters, stage_input_bytes=tensor_bytes(inputs))
             if self.lengths is not None:
                 self.lengths.keep_measured(inputs, isinstance(x, tuple))
@@ -195,10 +197,12 @@ class StagePlanner:
             return self.lengths.labels_keeper(loss_fn) or loss_fn
         return loss_fn
 
-    def _mark_once(self, name: str) -> None:
-        """On the last stage, during the measuring step: mark ``name`` (once)."""
+    def _mark_once(self, name: str, every_stage: bool = False) -> None:
+        """During the measuring step, on the last stage (on every stage with
+        ``every_stage``: a layer's forward begins or ends): mark ``name`` (once)."""
         tracked = self._tracked
-        if self.stage == self.num_stages - 1 and tracked is not None and tracked.kind is TrackedStep.MEASURING:
+        if ((every_stage or self.stage == self.num_stages - 1) and tracked is not None
+                and tracked.kind is TrackedStep.MEASURING):
             tracked.mark_once(name)
 
     def _backward_begins(self) -> None:
@@ -309,7 +313,8 @@ class StagePlanner:
                              self.measurer.gradient_bytes_by_layer(), budget_bytes=self.budget_bytes,
                              unmodelled_bytes=self.unmodelled_bytes,
                              backward_start_bytes=self.unmodelled.backward_start_bytes,
-                             engine_bytes_per_micro_batch=engine_bytes)
+                             engine_bytes_per_micro_batch=engine_bytes,
+                             backward_only_bytes=self.unmodelled.boundary_bytes)
 
     def _resolve_budget(self) -> None:
         """With max_memory_bytes: the budget is what the measuring step began with, taken from it."""
@@ -423,6 +428,8 @@ class StagePlanner:
         if tracked.kind is TrackedStep.MEASURING:
             self.measuring_step_peak_bytes = measured
             self.loss_phase_peak_bytes = report.interval_peaks.get(BACKWARD_BEGINS)
+            for meter in self.measurement.meters if self.measurement is not None else ():
+                meter.read_forward_peak(report.marks, report.interval_peaks)
             self.step_start_bytes = report.start_bytes
             return
         planned, edge = self.planned, self._step_longest_edge

@@ -94,17 +94,19 @@ class StageMeasurer:
         """Whether the pipeline's ``checkpointable_layers`` lets layer ``layer`` be checkpointed."""
         return self.module._is_checkpointable([self.module.forward_funcs[layer]])
 
-    def new_meters(self, inputs: tuple, before_recomputation: Any = None) -> list[LayerMeter]:
+    def new_meters(self, inputs: tuple, before_recomputation: Any = None, marker: Any = None) -> list[LayerMeter]:
         """One meter per layer, sharing a ledger of what is held whatever the
         plan: the stage input, and the parameters and buffers (a saved
-        ``weight.t()`` is a view of one: it adds nothing)."""
+        ``weight.t()`` is a view of one: it adds nothing); ``marker`` marks the
+        memory tracker around each layer's forward (:class:`~.profile.LayerMeter`)."""
         module = self.module
         held = [t for t in inputs if isinstance(t, torch.Tensor)]
         held += [*module.parameters(), *module.buffers()]
         ledger = StorageLedger(held)
         save_ops = frozenset(self.save_ops())
         return [LayerMeter(module.segment_label(i, i + 1), ledger, save_ops, self.device, first_layer=i == 0,
-                           checkpointable=self.checkpointable(i), before_recomputation=before_recomputation)
+                           checkpointable=self.checkpointable(i), before_recomputation=before_recomputation,
+                           marker=marker)
                 for i in range(len(module.forward_funcs))]
 
     def gradient_bytes_by_layer(self) -> list[int]:
@@ -159,7 +161,11 @@ class StageMeasurer:
             if tracker is not None and BACKWARD_BEGINS not in tracker.mark_names:
                 tracker.mark(BACKWARD_BEGINS)
 
-        meters = self.new_meters(inputs, before_recomputation=backward_begins)
+        def mark(name: str) -> None:
+            if tracker is not None:
+                tracker.mark(name)
+
+        meters = self.new_meters(inputs, before_recomputation=backward_begins, marker=mark)
         with isolated_from_training(module, self.device):
             gc.collect()  # no earlier garbage freed inside the measured pass
             tracker = tracking.__enter__() if tracking is not None else None
@@ -184,6 +190,8 @@ class StageMeasurer:
         output_bytes = tensor_bytes(outputs)
         workspace = loss_phase = None
         if tracker is not None:
+            for meter in meters:
+                meter.read_forward_peak(tracker.report.marks, tracker.report.interval_peaks)
             # The pass as the cost model sees it: one micro-batch, every layer
             # checkpointed, each layer's parameter gradients allocated by its
             # backward; its output, the output's gradient and the input's gradient held.

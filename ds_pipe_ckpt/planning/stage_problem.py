@@ -129,17 +129,18 @@ class LengthFigures:
 
 def stage_problem(facts: StageFacts, layers: Sequence[LayerProfile], grad_bytes: Sequence[int], *,
                   budget_bytes: int | None, unmodelled_bytes: int, backward_start_bytes: int,
-                  engine_bytes_per_micro_batch: int | None = None) -> StageProblem:
+                  engine_bytes_per_micro_batch: int | None = None, backward_only_bytes: int = 0) -> StageProblem:
     """The solver's problem: ``layers`` with their parameters' ``grad_bytes``
     (those allocated anew each step), the gradients the stage holds for the
     whole step moved into the base, and the engine's buffers and
-    ``unmodelled_bytes`` counted there."""
+    ``unmodelled_bytes`` counted there; ``backward_only_bytes`` of the latter
+    only a backward meets (:attr:`Unmodelled.boundary_bytes`)."""
     layers = tuple(dataclasses.replace(layer, grad_bytes=grads) for layer, grads in zip(layers, grad_bytes))
     layers, gradients = gradients_as_base(layers, facts.in_flight, facts.micro_batches)
     return StageProblem(layers=layers, in_flight=facts.in_flight, budget_bytes=budget_bytes,
                         base_bytes=facts.engine_base_bytes(engine_bytes_per_micro_batch) + gradients
                         + unmodelled_bytes, label=facts.label, backward_keeps_graph=facts.backward_keeps_graph,
-                        backward_start_bytes=backward_start_bytes)
+                        backward_start_bytes=backward_start_bytes, backward_only_bytes=backward_only_bytes)
 
 
 def measured_segments(problem: StageProblem) -> list[Segment]:
@@ -296,7 +297,8 @@ def length_problems(facts: StageFacts, unmodelled: Unmodelled, figures: Mapping[
         start = max(0, unmodelled.start_extra_bytes + _loss_phase_growth(unmodelled, measured, at_length, ratio)
                     - (unmodelled.rebuild_extra_bytes + workspace) - (unmodelled.boundary_bytes + boundary))
         problems[length] = dataclasses.replace(at_length.problem, base_bytes=at_length.problem.base_bytes + boundary
-                                               + margin + workspace + dynamic, backward_start_bytes=start)
+                                               + margin + workspace + dynamic, backward_start_bytes=start,
+                                               backward_only_bytes=at_length.problem.backward_only_bytes + boundary)
     return problems
 
 

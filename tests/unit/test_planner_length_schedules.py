@@ -30,6 +30,8 @@ import ds_pipe_ckpt
 from ds_pipe_ckpt import ConfigError
 from ds_pipe_ckpt.memory import track_cpu_allocations, track_memory
 
+from stage_steps import train_step
+
 MAX_LENGTH = 32
 MICRO_BATCHES = 2
 STEPS = 6
@@ -59,17 +61,6 @@ def _steps(schedule: list[list[int]]) -> list[list[torch.Tensor]]:
     return [[torch.randn(4, length, 8, generator=generator) for length in step] for step in schedule]
 
 
-def _step(module, optimizer, micro_batches) -> float:
-    optimizer.zero_grad(set_to_none=True)
-    total = 0.0
-    for x in micro_batches:
-        loss = module(x).pow(2).mean()
-        loss.backward()
-        total += loss.item()
-    optimizer.step()
-    return total
-
-
 @functools.lru_cache(maxsize=None)
 def _peak_without_checkpointing() -> int:
     """The stage's peak on a step of micro-batches ``MAX_LENGTH`` long, no checkpointing (the third step)."""
@@ -78,9 +69,9 @@ def _peak_without_checkpointing() -> int:
     optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
     data = _steps([[MAX_LENGTH] * MICRO_BATCHES] * 3)
     for micro_batches in data[:2]:
-        _step(module, optimizer, micro_batches)
+        train_step(module, optimizer, micro_batches)
     with track_memory("cpu") as tracker:
-        _step(module, optimizer, data[2])
+        train_step(module, optimizer, data[2])
     return tracker.report.peak_bytes
 
 
@@ -88,7 +79,7 @@ def _losses_without_checkpointing(schedule) -> list[float]:
     ds_pipe_ckpt.configure()
     module = _module()
     optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
-    return [_step(module, optimizer, micro_batches) for micro_batches in _steps(schedule)]
+    return [train_step(module, optimizer, micro_batches) for micro_batches in _steps(schedule)]
 
 
 def _planned(schedule, budget_bytes):
@@ -101,11 +92,11 @@ def _planned(schedule, budget_bytes):
     for step, micro_batches in enumerate(_steps(schedule)):
         try:
             if step in (FIRST, MEASURING, FIRST_PLANNED):
-                losses.append(_step(module, optimizer, micro_batches))
+                losses.append(train_step(module, optimizer, micro_batches))
                 peaks.append(None)
             else:
                 with track_memory("cpu") as tracker:
-                    losses.append(_step(module, optimizer, micro_batches))
+                    losses.append(train_step(module, optimizer, micro_batches))
                 peaks.append(tracker.report.peak_bytes)
         except ConfigError as refused:
             error = refused
@@ -157,7 +148,7 @@ def test_the_plan_reports_each_buckets_predicted_and_measured_peak(single_rank_p
         module.enable_planning(10_000 * MIB, MICRO_BATCHES, max_sequence_length=MAX_LENGTH)
         optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
         for micro_batches in _steps(schedule):
-            _step(module, optimizer, micro_batches)
+            train_step(module, optimizer, micro_batches)
     finally:
         ds_pipe_ckpt.configure()
     plan = module.checkpoint_plan

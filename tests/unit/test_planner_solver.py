@@ -108,6 +108,16 @@ def segment_figures(problem: StageProblem, start: int, end: int, decision: Decis
             selective = sum(profile.selective_saved_bytes for profile in segment)
             held, transient = segment[0].input_bytes + selective, max(rebuilt - selective, 0)
             recompute = sum((Fraction(profile.selective_recompute_s) for profile in segment), Fraction(0))
+    # The segment's forward, while the segments before it are held (the base but its backward-only part).
+    if decision is STORE and problem.backward_keeps_graph:  # the peak adds k * H: leave out what is held after l
+        forward = max(layers[l].forward_peak_bytes - layers[l].saved_bytes for l in range(start, end))
+    elif decision is STORE:
+        forward = max(sum(p.saved_bytes for p in layers[start:l]) + layers[l].forward_peak_bytes
+                      for l in range(start, end)) - held
+    else:
+        forward = (segment[0].forward_peak_bytes + max([p.forward_peak_bytes for p in segment[1:]], default=0)
+                   - segment[0].input_bytes)
+    transient = max(transient, forward - problem.backward_only_bytes)
     if end == len(layers):
         transient = max(transient, problem.held_gradient_bytes, problem.backward_start_bytes)
     return held, transient, recompute
@@ -150,7 +160,10 @@ def layer_profiles(draw, index: int) -> LayerProfile:
     # half the chains have parameter gradients that grow during the step.
     return dataclasses.replace(profile, checkpointable=draw(st.integers(0, 5)) > 0,
                                grad_bytes=draw(st.sampled_from([0, 0, 0, 1, 3, 6])),
-                               input_saved_bytes=draw(st.integers(0, min(profile.saved_bytes, profile.input_bytes))))
+                               input_saved_bytes=draw(st.integers(0, min(profile.saved_bytes, profile.input_bytes))),
+                               # Half the layers' forwards measured: their input and more, now and then above
+                               # anything their backward holds.
+                               forward_peak_bytes=draw(st.sampled_from([0, 0, 0, 4, 12, 24, 40])))
 
 
 @st.composite
@@ -158,10 +171,12 @@ def chains(draw) -> StageProblem:
     n = draw(st.integers(1, 7))
     layers = [draw(layer_profiles(index)) for index in range(n)]
     held_gradients = draw(st.sampled_from([0, sum(layer.grad_bytes for layer in layers)]))
+    base = draw(st.integers(0, 4))
     return problem_of(layers, in_flight=draw(st.sampled_from([1, 2, 3, 4, 8, 16])), budget_bytes=0,
-                      base_bytes=draw(st.integers(0, 4)), allow_selective=draw(st.booleans()), label="random",
+                      base_bytes=base, allow_selective=draw(st.booleans()), label="random",
                       held_gradient_bytes=held_gradients, backward_keeps_graph=draw(st.booleans()),
-                      backward_start_bytes=draw(st.sampled_from([0, 0, 5, 30])))
+                      backward_start_bytes=draw(st.sampled_from([0, 0, 5, 30])),
+                      backward_only_bytes=draw(st.integers(0, base)))
 
 
 @settings(max_examples=250, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -173,7 +188,7 @@ def test_plan_is_optimal_against_exhaustive_search(chain, data):
     problem = problem_of(chain.layers, chain.in_flight, budget, base_bytes=chain.base_bytes,
                          allow_selective=chain.allow_selective, label="random",
                          held_gradient_bytes=chain.held_gradient_bytes, backward_keeps_graph=chain.backward_keeps_graph,
-                         backward_start_bytes=chain.backward_start_bytes)
+                         backward_start_bytes=chain.backward_start_bytes, backward_only_bytes=chain.backward_only_bytes)
     assert minimum_peak_bytes(problem) == least
     feasible = [plan for plan in plans if plan.peak <= budget]
     if not feasible:
@@ -349,6 +364,29 @@ def test_micro_batches_in_flight_change_the_decision():
     assert (with_four.recompute_s, with_four.predicted_peak_bytes) == (2.0, 18)
 
 
+def test_a_stored_layer_whose_forward_holds_more_than_it_saves_decides_the_peak():
+    """A codebook lookup (x=2, a=1: it saves an index; f=2+30: its forward
+    holds a distance matrix of 30) after a block (x=2, a=10, f=2+12), k=1.
+    Stored, the lookup's forward runs while the block's 10 are held: 10 + 32
+    = 42, above H = 11. With the block checkpointed (H = 2 + 1) it is 2 + 32
+    = 34, above the block's own forward (2 + 12) and rebuild (2 + 10).
+    Budget 40: that plan recomputes least of those that fit. A base byte the
+    forwards never meet (backward_only_bytes: the activation gradient in
+    flight) is not added to them."""
+    block = dataclasses.replace(layer("block", 2, 10, 1.0), forward_peak_bytes=14)
+    lookup = dataclasses.replace(layer("lookup", 2, 1, 0.5), forward_peak_bytes=32)
+    stored = problem_of([block, lookup], in_flight=1, budget_bytes=1000)
+    assert predicted_peak_bytes(stored, [Segment(0, 2, STORE)]) == 42
+    assert predicted_peak_bytes(stored, [Segment(0, 1, STORE), Segment(1, 2, STORE)]) == 42
+    assert predicted_peak_bytes(stored, [Segment(0, 1, CHECKPOINT), Segment(1, 2, STORE)]) == 34
+    plan = plan_stage(problem_of([block, lookup], in_flight=1, budget_bytes=40))
+    assert decisions(plan) == [(0, 1, CHECKPOINT), (1, 2, STORE)]
+    assert plan.predicted_peak_bytes == 34
+    with_gradient = problem_of([block, lookup], in_flight=1, budget_bytes=40, base_bytes=1, backward_only_bytes=1)
+    assert predicted_peak_bytes(with_gradient, [Segment(0, 1, CHECKPOINT), Segment(1, 2, STORE)]) == 34
+    assert predicted_peak_bytes(with_gradient, [Segment(0, 2, CHECKPOINT)]) == 1 + 2 + max(14 - 2 + 32, 11) - 1
+
+
 # --------------------------------------------------------------------------- #
 # The infeasible-budget error.
 # --------------------------------------------------------------------------- #
@@ -433,6 +471,7 @@ def test_layer_validation_rejects_non_numbers():
     ("in_flight", dict(in_flight=0)),
     ("budget_bytes", dict(budget_bytes=-1)),
     ("base_bytes", dict(base_bytes=-1)),
+    ("backward_only_bytes", dict(base_bytes=2, backward_only_bytes=3)),
 ])
 def test_problem_validation_names_the_field(field, kwargs):
     arguments = dict(layers=(layer("a", 1, 1, 1.0),), in_flight=1, budget_bytes=10, label="stage 3") | kwargs
