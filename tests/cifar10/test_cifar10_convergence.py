@@ -42,7 +42,7 @@ runs that differ from the reference only in their dropout seed (``train.py
 (steps 14-27, the fastest-learning phase) and 0.62 % in the mean of the last
 20 losses, which still fall there (0.90 -> 0.88 nats, toward the floor of
 cross-entropy with label smoothing 0.2, 0.867 nats, where runs settle). The
-six topologies differ by at most 0.061 nats at their worst step and 0.39 % in
+topologies differ by at most 0.061 nats at their worst step and 0.39 % in
 the last-20 mean. STEP_TOLERANCE = 0.2 nats is 2.4 times, and LAST20_RELATIVE
 = 1 % 1.6 times, the largest difference seen in any of these runs.
 """
@@ -69,7 +69,7 @@ CONFIG_DIR = REPO_ROOT / "examples" / "cifar10" / "configs"
 STEPS = 60
 RESNET_STEPS = 25
 SEED = 0
-# A narrow AlexNet and ResNet, so that 7 launches (29 ranks, 48 runs) fit in
+# A narrow AlexNet and ResNet, so that 5 launches (21 ranks, 34 runs) fit in
 # minutes on 2 CPU cores. The global batch is 32 in every topology (the configs'
 # train_batch_size, with 8 samples per micro-batch).
 MODEL_ARGS = ["--channels", "16", "48", "96", "64", "64", "--widths", "8", "16", "32", "--blocks", "1",
@@ -84,7 +84,11 @@ EVAL_SAMPLES = 512  # the first 512 of the 2000 generated test images
 # of the micro-batches (DeepSpeed does not synchronise buffers).
 MIN_EVAL_ACCURACY = {"alexnet": 0.9, "resnet": 0.5}
 REFERENCE = (1, 1, 1)
-TOPOLOGIES = [(1, 1, 4), (2, 1, 2), (4, 1, 1), (2, 2, 1), (1, 2, 2), (2, 2, 2)]
+# Data, pipe and both with model parallelism: (2, 2, 1) and (1, 2, 2) are left
+# out: (2, 2, 2) runs what each of them does, and their 95 and 77 s took make
+# test over 14 minutes. tests/cifar10/test_cifar10_tensor_parallel.py checks the
+# tensor-parallel head on 2 ranks on its own.
+TOPOLOGIES = [(1, 1, 4), (2, 1, 2), (4, 1, 1), (2, 2, 2)]
 MODELS = ("alexnet", "resnet")
 # The runs of a model are named after its configs: none.json, resnet_none.json, ...
 RUN_PREFIX = {"alexnet": "", "resnet": "resnet_"}
