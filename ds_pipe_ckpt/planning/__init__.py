@@ -13,6 +13,8 @@ layers' figures come in as :class:`LayerProfile` s.
   :class:`Decision`, and :class:`StagePlan`, the plan the solver chooses;
 * :mod:`.cost_model`: a plan's predicted peak (:func:`predicted_peak_bytes`)
   and recomputation time (:func:`recompute_seconds`);
+* :mod:`.peak_breakdown`: where a plan's predicted peak falls and its terms
+  (the printed plan's line below its table);
 * :mod:`.solver`: the exact optimiser :func:`plan_stage`, with the bounds it
   prunes with in :mod:`.search_bounds` and, for a backward that keeps the
   graph, :mod:`.kept_graph_solver`;

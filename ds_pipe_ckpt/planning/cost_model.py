@@ -105,7 +105,7 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 from itertools import accumulate
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 from .plan import Decision, Segment, validate_segments
 from .problem import LayerProfile, StageProblem
@@ -119,12 +119,24 @@ SMALL_ALLOCATIONS_MIN_BYTES = 4096
 
 __all__ = [
     "SegmentCost",
+    "TransientParts",
     "ChainCosts",
     "peak_of_costs",
     "gradients_as_base",
     "predicted_peak_bytes",
     "recompute_seconds",
 ]
+
+
+class TransientParts(NamedTuple):
+    """What bounds a segment's transient, each beyond what it holds: its
+    backward (rebuilt activations, later layers' gradients), the end of the
+    forwards (the last segment: held gradients, the loss phase) and its
+    forward (less what only a backward meets). The transient is their max."""
+
+    backward: int
+    forwards_end: int
+    forward: int
 
 
 @dataclass(frozen=True)
@@ -224,26 +236,34 @@ class ChainCosts:
         return (self.checkpoint_available(start, end)
                 and self._selective_capable[end] - self._selective_capable[start] == end - start)
 
-    def cost(self, start: int, end: int, decision: Decision) -> SegmentCost:
-        """The held bytes, transient bytes and recompute units of ``[start, end)``
-        under ``decision`` (the table of the module docstring)."""
-        saved = self._saved[end] - self._saved[start]
+    def transient_parts(self, start: int, end: int, decision: Decision) -> TransientParts:
+        """The three bounds of ``[start, end)``'s transient under ``decision``
+        (the module docstring): its backward's, the end of the forwards' (the
+        last segment only, else 0) and its forward's."""
         peak_u = self._peak_u[start][end]
         floor = self._last_floor if end == self._n else 0
         if decision is Decision.STORE:
             # Kept graph: the segment's layers are not freed under the later gradients.
             grads = self._grads_after[start + 1] if self._keeps_graph else peak_u - self._saved[end]
-            forward = self._forward_stored[start][end] - self._backward_only
-            return SegmentCost(saved, max(grads, floor, forward), 0)
+            return TransientParts(grads, floor, self._forward_stored[start][end] - self._backward_only)
         rebuilt = peak_u - self._saved[start] - self._input_saved[start]  # the held input is not rebuilt
         # Beyond what the segment holds (its input; the selective outputs, which its forward makes too).
         forward = (self._forward[start] + self._forward_after[start][end] - self._input[start]
                    - self._backward_only)
+        if decision is Decision.SELECTIVE:
+            rebuilt -= self._selective_saved[end] - self._selective_saved[start]
+        return TransientParts(rebuilt, floor, forward)
+
+    def cost(self, start: int, end: int, decision: Decision) -> SegmentCost:
+        """The held bytes, transient bytes and recompute units of ``[start, end)``
+        under ``decision`` (the table of the module docstring)."""
+        transient = max(self.transient_parts(start, end, decision))
+        if decision is Decision.STORE:
+            return SegmentCost(self._saved[end] - self._saved[start], transient, 0)
         if decision is Decision.CHECKPOINT:
-            return SegmentCost(self._input[start], max(rebuilt, floor, forward),
-                               self._forward_units[end] - self._forward_units[start])
+            return SegmentCost(self._input[start], transient, self._forward_units[end] - self._forward_units[start])
         selective_saved = self._selective_saved[end] - self._selective_saved[start]
-        return SegmentCost(self._input[start] + selective_saved, max(rebuilt - selective_saved, floor, forward),
+        return SegmentCost(self._input[start] + selective_saved, transient,
                            self._selective_recompute[end] - self._selective_recompute[start])
 
     def seconds(self, units: int) -> float:

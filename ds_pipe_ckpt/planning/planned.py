@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .cost_model import ChainCosts
-from .length_plans import LengthPlans
+from .length_plans import LengthPlan, LengthPlans
+from .peak_breakdown import peak_breakdown
 from .plan import Decision, StagePlan
 from .problem import StageProblem
 
@@ -49,6 +50,9 @@ class PlannedStage:
     # gradients that outlive steps, the engine's buffers), which no plan controls.
     first_step_peak_bytes: int | None = None
     first_step_kept_bytes: int | None = None
+    # Of the plan's base (the longest length's): the engine's buffers for the micro-batches in
+    # flight, and what the measured steps showed beyond the layers; the rest is parameter gradients.
+    base_split: tuple[int, int] | None = None
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -125,6 +129,7 @@ def plan_table(planned: PlannedStage) -> str:
         f"(of which {problem.base_bytes / MIB:.2f} MiB do not depend on the plan); recomputation "
         f"{plan.recompute_s * 1e3:.2f} ms per micro-batch.",
     ]
+    lines.append(_peak_terms(planned))
     if planned.lengths is not None:
         lines += _length_rows(planned)
     if problem.backward_keeps_graph:
@@ -152,6 +157,22 @@ def plan_table(planned: PlannedStage) -> str:
     return "\n".join(lines)
 
 
+def _peak_terms(planned: PlannedStage) -> str:
+    """Where the predicted peak falls and its terms, the base split into its parts."""
+    problem, plan = planned.problem, planned.plan
+    terms = peak_breakdown(problem, plan.segments)
+    names = "" if terms.segment is None else _layers(planned.layer_names[terms.segment.start:terms.segment.end])
+    text = f"The predicted peak falls {terms.describe(names)}"
+    if planned.base_split is not None:
+        engine, beyond = planned.base_split
+        gradients = max(0, problem.base_bytes - engine - beyond)
+        text += (f"; the first is {engine / MIB:.2f} MiB the engine's buffers ({planned.in_flight} micro-batch(es) "
+                 f"in flight), {gradients / MIB:.2f} MiB parameter gradients and {beyond / MIB:.2f} MiB that the "
+                 "measured steps showed beyond the layers (the backward's workspace, the optimizer's and the "
+                 "engine's other buffers, one activation gradient in flight, a 1 % margin for small allocations)")
+    return text + "."
+
+
 def _length_rows(planned: PlannedStage) -> list[str]:
     """Variable lengths: the rows above are the longest micro-batch's plan; one
     row per length bucket, and the peak any mix keeps."""
@@ -159,8 +180,9 @@ def _length_rows(planned: PlannedStage) -> list[str]:
     lines = ["", f"Variable-length micro-batches (measured at length {planned.measured_length}; each bucket measured "
              "at its longest length and planned for it):", "",
              "| length up to | stored / checkpointed / selective layers | held MiB / micro-batch | recompute ms "
-             "| predicted peak MiB | measured peak MiB |",
-             "|---:|---|---:|---:|---:|---:|"]
+             "| predicted peak MiB | measured peak MiB | every micro-batch this long: peak MiB = base + held + "
+             "moment's, at |",
+             "|---:|---|---:|---:|---:|---:|---|"]
     for length_plan in lengths.by_length:
         counts = length_plan.counts()
         note = f" (the plan of length {length_plan.borrowed_from})" if length_plan.borrowed_from else ""
@@ -169,9 +191,18 @@ def _length_rows(planned: PlannedStage) -> list[str]:
                      f"{counts[Decision.SELECTIVE]}{note} | {length_plan.held_bytes / MIB:.2f} "
                      f"| {length_plan.plan.recompute_s * 1e3:.2f} "
                      f"| {lengths.bound_up_to(length_plan.length) / MIB:.2f} "
-                     f"| {'not seen' if measured is None else f'{measured / MIB:.2f}'} |")
+                     f"| {'not seen' if measured is None else f'{measured / MIB:.2f}'} | {_terms_cell(length_plan)} |")
     lines += ["", f"Any mix of lengths in flight peaks at most at {lengths.bound_bytes / MIB:.2f} MiB of the "
               f"{planned.budget_bytes / MIB:.2f} MiB budget. A row's predicted peak is that of a step whose longest "
               "micro-batch is in its bucket; its measured peak, the highest of this plan's checked steps whose "
               f"longest micro-batch was. Planner time so far: {planned.planning_s:.2f} s."]
     return lines
+
+
+def _terms_cell(length_plan: LengthPlan) -> str:
+    """A bucket's own peak (every micro-batch in flight of its edge's length), as its terms."""
+    terms = peak_breakdown(length_plan.problem, length_plan.plan.segments)
+    where = terms.moment.value + ("" if terms.segment is None else
+                                  f" layers [{terms.segment.start}, {terms.segment.end}) of the stage")
+    return (f"{terms.peak_bytes / MIB:.2f} = {terms.base_bytes / MIB:.2f} + {terms.held_bytes / MIB:.2f} + "
+            f"{terms.transient_bytes / MIB:.2f}, {where}")

@@ -110,16 +110,14 @@ class StagePlanner:
         self.first_step_peak_bytes: int | None = None
         self.first_step_kept_bytes: int | None = None
         self.measuring_step_peak_bytes: int | None = None  # the whole measuring step's peak
-        # The last stage: the measuring step's peak from the measured micro-batch's forward
-        # end to its first recomputation (the loss, its backward, the layers stored anyway),
-        # None where that was not seen
+        # The last stage: the measuring step's peak from the measured micro-batch's forward end to
+        # its first recomputation (the loss, its backward, the layers stored anyway); None: not seen
         self.loss_phase_peak_bytes: int | None = None
         self.unmeasured: list[str] = []  # layers the measuring step could not measure (then no plan)
         self.calibrations = 0
         self.length_checks = 0  # checked planned steps, with variable lengths
         self.unmodelled_bytes = 0  # what measured steps showed beyond the model (>= 0)
-        # What the measuring step showed of it, in parts (set with the first plan).
-        self.unmodelled = Unmodelled()
+        self.unmodelled = Unmodelled()  # what the measuring step showed of it, in parts (set by the first plan)
         # Variable-length micro-batches (dynamic_shape=True), when planned for.
         self.lengths = None if lengths is None else StageLengths(lengths, self.stage,
                                                                    self.stage == self.num_stages - 1)
@@ -358,7 +356,9 @@ class StagePlanner:
                 plan = plan_stage(problem)
         except InfeasibleBudgetError as error:
             raise self._no_plan_fits(error, problem, engine_bytes, unmodelled) from error
-        return PlannedStage(stage=self.stage, num_stages=self.num_stages, in_flight=self.in_flight,
+        split = (self._facts().engine_base_bytes() if engine_bytes is None else engine_bytes,
+                 self.unmodelled_bytes if unmodelled is None else unmodelled)
+        return PlannedStage(base_split=split,stage=self.stage, num_stages=self.num_stages, in_flight=self.in_flight,
                             budget_bytes=self.budget_bytes, problem=problem, plan=plan,
                             step_start_bytes=self.step_start_bytes if self.max_memory_bytes is not None else None,
                             measuring_step_peak_bytes=self.measuring_step_peak_bytes, lengths=length_plans,
