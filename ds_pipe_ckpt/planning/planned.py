@@ -10,6 +10,7 @@ from .length_plans import LengthPlan, LengthPlans
 from .peak_breakdown import peak_breakdown
 from .plan import Decision, StagePlan
 from .problem import StageProblem
+from .stage_problem import gradient_base_bytes
 
 __all__ = ["PlannedStage", "plan_table"]
 
@@ -165,7 +166,7 @@ def _peak_terms(planned: PlannedStage) -> str:
     text = f"The predicted peak falls {terms.describe(names)}"
     if planned.base_split is not None:
         engine, beyond = planned.base_split
-        gradients = max(0, problem.base_bytes - engine - beyond)
+        gradients = gradient_base_bytes(problem, engine, beyond)
         text += (f"; the first is {engine / MIB:.2f} MiB the engine's buffers ({planned.in_flight} micro-batch(es) "
                  f"in flight), {gradients / MIB:.2f} MiB parameter gradients and {beyond / MIB:.2f} MiB that the "
                  "measured steps showed beyond the layers (the backward's workspace, the optimizer's and the "
@@ -191,7 +192,8 @@ def _length_rows(planned: PlannedStage) -> list[str]:
                      f"{counts[Decision.SELECTIVE]}{note} | {length_plan.held_bytes / MIB:.2f} "
                      f"| {length_plan.plan.recompute_s * 1e3:.2f} "
                      f"| {lengths.bound_up_to(length_plan.length) / MIB:.2f} "
-                     f"| {'not seen' if measured is None else f'{measured / MIB:.2f}'} | {_terms_cell(length_plan)} |")
+                     f"| {'not seen' if measured is None else f'{measured / MIB:.2f}'} "
+                     f"| {_terms_cell(length_plan, planned.layer_names)} |")
     lines += ["", f"Any mix of lengths in flight peaks at most at {lengths.bound_bytes / MIB:.2f} MiB of the "
               f"{planned.budget_bytes / MIB:.2f} MiB budget. A row's predicted peak is that of a step whose longest "
               "micro-batch is in its bucket; its measured peak, the highest of this plan's checked steps whose "
@@ -199,10 +201,10 @@ def _length_rows(planned: PlannedStage) -> list[str]:
     return lines
 
 
-def _terms_cell(length_plan: LengthPlan) -> str:
+def _terms_cell(length_plan: LengthPlan, names: list[str]) -> str:
     """A bucket's own peak (every micro-batch in flight of its edge's length), as its terms."""
     terms = peak_breakdown(length_plan.problem, length_plan.plan.segments)
     where = terms.moment.value + ("" if terms.segment is None else
-                                  f" layers [{terms.segment.start}, {terms.segment.end}) of the stage")
+                                  f" {_layers(names[terms.segment.start:terms.segment.end])}")
     return (f"{terms.peak_bytes / MIB:.2f} = {terms.base_bytes / MIB:.2f} + {terms.held_bytes / MIB:.2f} + "
             f"{terms.transient_bytes / MIB:.2f}, {where}")

@@ -348,6 +348,9 @@ class StagePlanner:
             engine_bytes = (self.in_flight + 1) * engine_by_length[longest]
             unmodelled = self.unmodelled_bytes + sum(unmodelled_growth(
                 self._facts(), self.unmodelled, figures[measured], figures[longest], longest / measured))
+        # Of the base: the engine's buffers, and what the measured steps showed beyond the layers.
+        split = (self._facts().engine_base_bytes() if engine_bytes is None else engine_bytes,
+                 self.unmodelled_bytes if unmodelled is None else unmodelled)
         try:
             if self.lengths is not None:
                 length_plans = plan_lengths(problems, engine_by_length)
@@ -355,10 +358,8 @@ class StagePlanner:
             else:
                 plan = plan_stage(problem)
         except InfeasibleBudgetError as error:
-            raise self._no_plan_fits(error, problem, engine_bytes, unmodelled) from error
-        split = (self._facts().engine_base_bytes() if engine_bytes is None else engine_bytes,
-                 self.unmodelled_bytes if unmodelled is None else unmodelled)
-        return PlannedStage(base_split=split,stage=self.stage, num_stages=self.num_stages, in_flight=self.in_flight,
+            raise self._no_plan_fits(error, problem, *split) from error
+        return PlannedStage(stage=self.stage, num_stages=self.num_stages, in_flight=self.in_flight, base_split=split,
                             budget_bytes=self.budget_bytes, problem=problem, plan=plan,
                             step_start_bytes=self.step_start_bytes if self.max_memory_bytes is not None else None,
                             measuring_step_peak_bytes=self.measuring_step_peak_bytes, lengths=length_plans,
@@ -378,8 +379,8 @@ class StagePlanner:
         return unmodelled_from_measuring_step(self._facts(), self._problem(), self.measuring_step_peak_bytes,
                                               self.loss_phase_peak_bytes, modelled)
 
-    def _no_plan_fits(self, error: InfeasibleBudgetError, problem: StageProblem, engine_bytes: int | None,
-                      unmodelled_bytes: int | None) -> ConfigError:
+    def _no_plan_fits(self, error: InfeasibleBudgetError, problem: StageProblem, engine_bytes: int,
+                      unmodelled_bytes: int) -> ConfigError:
         return no_plan_fits(self.budget_key, stage=self.stage, in_flight=self.in_flight, budget_bytes=self.budget_bytes,
                             minimum_bytes=error.minimum_bytes,
                             step_start_bytes=self.step_start_bytes if self.max_memory_bytes is not None else 0,
@@ -393,17 +394,12 @@ class StagePlanner:
                                       measured.loss_phase_bytes, measured.output_bytes)
                 for length, measured in measurements.items()}
 
-    def floor(self, problem: StageProblem, minimum_bytes: int, engine_bytes: int | None = None,
-              unmodelled_bytes: int | None = None) -> str:
+    def floor(self, problem: StageProblem, minimum_bytes: int, engine_bytes: int, unmodelled_bytes: int) -> str:
         """What the least feasible peak ``minimum_bytes`` is made of
         (:func:`~.stage_problem.floor_text`; ``engine_bytes`` and
-        ``unmodelled_bytes``: those parts of the problem's base, when not the
-        measuring step's)."""
-        facts = self._facts()
-        return floor_text(facts, problem, minimum_bytes,
-                          engine_bytes=facts.engine_base_bytes() if engine_bytes is None else engine_bytes,
-                          unmodelled_bytes=self.unmodelled_bytes if unmodelled_bytes is None else unmodelled_bytes,
-                          known_buffers=self.known_buffers)
+        ``unmodelled_bytes``: those parts of the problem's base)."""
+        return floor_text(self._facts(), problem, minimum_bytes, engine_bytes=engine_bytes,
+                          unmodelled_bytes=unmodelled_bytes, known_buffers=self.known_buffers)
 
     def _first_rank_of_stage(self) -> bool:
         grid = getattr(self.module, "_grid", None)

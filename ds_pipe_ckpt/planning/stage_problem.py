@@ -31,7 +31,7 @@ from .problem import LayerProfile, StageProblem
 __all__ = ["KnownBuffer", "StageFacts", "Unmodelled", "LengthFigures", "stage_problem",
            "measured_segments", "largest_boundary_bytes", "measuring_step_model_bytes",
            "unmodelled_from_measuring_step", "unmodelled_growth",
-           "length_problems", "floor_text"]
+           "length_problems", "gradient_base_bytes", "floor_text"]
 
 MIB = 2**20
 
@@ -302,13 +302,19 @@ def length_problems(facts: StageFacts, unmodelled: Unmodelled, figures: Mapping[
     return problems
 
 
+def gradient_base_bytes(problem: StageProblem, engine_bytes: int, unmodelled_bytes: int) -> int:
+    """The parameter gradients in ``problem``'s base: what is left of it beside
+    ``engine_bytes`` (the engine's buffers) and ``unmodelled_bytes``."""
+    return max(0, problem.base_bytes - engine_bytes - unmodelled_bytes)
+
+
 def floor_text(facts: StageFacts, problem: StageProblem, minimum_bytes: int, *, engine_bytes: int,
                unmodelled_bytes: int, known_buffers: Sequence[KnownBuffer] = ()) -> str:
     """What the least feasible peak ``minimum_bytes`` of ``problem`` is made of:
     the part the plan controls (the activations it keeps) and the part it does
     not (``engine_bytes`` and ``unmodelled_bytes`` of its base, the rest
     parameter gradients), with the known big non-activation buffers named."""
-    gradients = max(0, problem.base_bytes - engine_bytes - unmodelled_bytes)
+    gradients = gradient_base_bytes(problem, engine_bytes, unmodelled_bytes)
     held = "inputs" if facts.last_stage else "inputs and outputs"
     parts = [f"{engine_bytes / MIB:.2f} MiB the engine's stage {held} ({facts.in_flight} micro-batch(es) in flight, "
              "and their gradients)"]
